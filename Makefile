@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+
+PYTHON ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+# transformers>=5.2 (the Qwen3.5 reference) conflicts with fairseq2's pins, so
+# the tests run it from an isolated overlay in a subprocess.
+HF_REFERENCE_DIR ?= .cache/hf-reference
+HF_REFERENCE_VERSION ?= 5.24.0
+
+export FAIRSEQ2_EXTENSION_TRACE := 1
+
+.PHONY: setup test test-fast demo clean
+
+setup: $(VENV)/.installed $(HF_REFERENCE_DIR)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@bash scripts/check_system_deps.sh
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+$(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
+	touch $@
+
+test: setup
+	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(BIN)/pytest tests
+
+# Everything except the tests marked slow.
+test-fast: setup
+	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(BIN)/pytest tests -m "not slow"
+
+demo: setup
+	$(BIN)/python -m qwen35_fs2.demo
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,1 @@
+"""Qwen3.5 for fairseq2."""

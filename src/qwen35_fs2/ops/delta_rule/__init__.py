@@ -1,0 +1,7 @@
+"""The gated delta rule (Gated DeltaNet's token mixer)."""
+
+from __future__ import annotations
+
+from qwen35_fs2.ops.delta_rule.recurrent import (
+    recurrent_gated_delta_rule as recurrent_gated_delta_rule,
+)
