@@ -1,1 +1,12 @@
-"""Qwen3.5 for fairseq2."""
+"""Qwen3.5 for fairseq2.
+
+The public Python API; the fairseq2 integration itself (model family, archs,
+asset cards, tokenizer) is registered through the ``fairseq2.extension``
+entry point (:func:`qwen35_fs2.extension.register_qwen35`).
+"""
+
+from __future__ import annotations
+
+from qwen35_fs2.models import Qwen35Config as Qwen35Config
+from qwen35_fs2.models import load_hf_model as load_hf_model
+from qwen35_fs2.models import qwen35_config_from_hf as qwen35_config_from_hf

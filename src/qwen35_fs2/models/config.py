@@ -97,6 +97,12 @@ class Qwen35Config:
     rms_norm_eps: float = 1e-6
     """The epsilon of every RMS normalization."""
 
+    init_std: float = 0.02
+    """
+    The standard deviation of the normal initialization of projections and
+    embeddings (Hugging Face's ``initializer_range``).
+    """
+
     gdn_backend: GatedDeltaNetBackend = "auto"
     """
     The kernels of the Gated DeltaNet layers: ``torch`` (pure PyTorch, runs
@@ -179,6 +185,11 @@ class Qwen35Config:
         if self.pad_idx is not None and not 0 <= self.pad_idx < self.vocab_size:
             result.add_error(
                 f"`pad_idx` must be in the range [0, {self.vocab_size}) of the vocabulary, but is {self.pad_idx} instead."
+            )
+
+        if self.init_std <= 0.0:
+            result.add_error(
+                f"`init_std` must be greater than 0, but is {self.init_std} instead."
             )
 
         if self.gdn_backend not in ("auto", "torch", "fla"):
@@ -416,6 +427,7 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
         linear_conv_kernel_size=reader.get_int("linear_conv_kernel_dim"),
         ffn_inner_dim=reader.get_int("intermediate_size"),
         rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
+        init_std=reader.get_float("initializer_range", default=0.02),
     )
 
     check_config(config)

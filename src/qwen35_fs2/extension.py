@@ -1,0 +1,39 @@
+"""Registers the Qwen3.5 families with fairseq2 (the `fairseq2.extension`
+entry point)."""
+
+from __future__ import annotations
+
+from fairseq2.composition import register_model_family, register_package_assets
+from fairseq2.models.transformer_lm import (
+    TransformerLM,
+    apply_ac_to_transformer_lm,
+    apply_fsdp_to_transformer_lm,
+    compile_transformer_lm,
+)
+from fairseq2.runtime.dependency import DependencyContainer
+
+from qwen35_fs2.models.config import (
+    QWEN35_FAMILY,
+    Qwen35Config,
+    register_qwen35_configs,
+)
+from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.interop import convert_qwen35_state_dict
+
+
+def register_qwen35(container: DependencyContainer) -> None:
+    register_model_family(
+        container,
+        QWEN35_FAMILY,
+        kls=TransformerLM,
+        config_kls=Qwen35Config,
+        factory=create_qwen35_model,
+        state_dict_converter=convert_qwen35_state_dict,
+        compiler=compile_transformer_lm,
+        fsdp_applier=apply_fsdp_to_transformer_lm,
+        layerwise_ac_applier=apply_ac_to_transformer_lm,
+    )
+
+    register_qwen35_configs(container)
+
+    register_package_assets(container, "qwen35_fs2.cards")

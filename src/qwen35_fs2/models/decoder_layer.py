@@ -1,0 +1,94 @@
+"""The hybrid decoder layer of Qwen3.5."""
+
+from __future__ import annotations
+
+from typing import final
+
+from torch import Tensor
+from typing_extensions import override
+
+from fairseq2.models.transformer import (
+    AttentionBiasCache,
+    FeedForwardNetwork,
+    MultiheadAttention,
+)
+from fairseq2.models.transformer_lm import TransformerLMDecoderLayer
+from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
+
+from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+
+
+@final
+class Qwen35DecoderLayer(TransformerLMDecoderLayer):
+    """A pre-norm decoder layer whose token mixer is either gated full
+    attention (``self_attn``) or Gated DeltaNet (``linear_attn``)::
+
+        h = x + mixer(self_attn_layer_norm(x))
+        y = h + ffn(ffn_layer_norm(h))
+
+    Exactly one of ``self_attn`` and ``linear_attn`` is set, so the state-dict
+    keys name the mixer a layer has, as in the released checkpoints.
+    """
+
+    self_attn: MultiheadAttention | None
+    linear_attn: GatedDeltaNet | None
+
+    def __init__(
+        self,
+        mixer: MultiheadAttention | GatedDeltaNet,
+        self_attn_layer_norm: LayerNorm,
+        ffn: FeedForwardNetwork,
+        ffn_layer_norm: LayerNorm,
+    ) -> None:
+        super().__init__()
+
+        self.self_attn_layer_norm = self_attn_layer_norm
+
+        if isinstance(mixer, GatedDeltaNet):
+            self.register_module("self_attn", None)
+
+            self.linear_attn = mixer
+        else:
+            self.self_attn = mixer
+
+            self.register_module("linear_attn", None)
+
+        self.ffn_layer_norm = ffn_layer_norm
+
+        self.ffn = ffn
+
+    @override
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout,
+        attn_bias_cache: AttentionBiasCache,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+    ) -> Tensor:
+        residual = seqs
+
+        seqs = self.self_attn_layer_norm(seqs)
+
+        if self.linear_attn is not None:
+            seqs = self.linear_attn(seqs, seqs_layout, state_bag=state_bag)
+        else:
+            assert self.self_attn is not None
+
+            seqs = self.self_attn(
+                seqs,
+                seqs_layout,
+                keys=seqs,
+                keys_layout=seqs_layout,
+                values=seqs,
+                bias_cache=attn_bias_cache,
+                state_bag=state_bag,
+            )
+
+        seqs = seqs + residual
+
+        residual = seqs
+
+        seqs = self.ffn(self.ffn_layer_norm(seqs))
+
+        return seqs + residual

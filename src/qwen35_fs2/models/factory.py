@@ -1,0 +1,228 @@
+"""Builds dense Qwen3.5 models as fairseq2 :class:`TransformerLM` instances."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from fairseq2.error import NotSupportedError
+from fairseq2.models.transformer import (
+    CausalAttentionBias,
+    FeedForwardNetwork,
+    GLUFeedForwardNetwork,
+    MultiheadAttention,
+    TransformerEmbeddingFrontend,
+    TransformerFrontend,
+    create_default_sdpa,
+)
+from fairseq2.models.transformer_lm import (
+    StandardTransformerLMDecoder,
+    TransformerLM,
+    TransformerLMDecoder,
+    TransformerLMDecoderLayer,
+)
+from fairseq2.nn import (
+    ColumnShardedLinear,
+    Embedding,
+    LayerNorm,
+    Linear,
+    PositionEncoder,
+    Projection,
+    StandardEmbedding,
+    TiedProjection,
+    VocabShardedEmbedding,
+)
+
+from qwen35_fs2.models.attention import Qwen35Attention
+from qwen35_fs2.models.config import Qwen35Config, check_config
+from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
+from qwen35_fs2.models.rotary import PartialRotaryEncoder
+
+
+def create_qwen35_model(config: Qwen35Config) -> TransformerLM:
+    return Qwen35Factory(config).create_model()
+
+
+class Qwen35Factory:
+    """Assembles a Qwen3.5 model; override a ``create_*`` method to change
+    one part."""
+
+    def __init__(self, config: Qwen35Config) -> None:
+        check_config(config)
+
+        self._config = config
+
+    def create_model(self) -> TransformerLM:
+        config = self._config
+
+        embed = self.create_embedding()
+
+        decoder_frontend = self.create_decoder_frontend(embed)
+
+        decoder = self.create_decoder()
+
+        final_proj = self.create_final_projection(embed)
+
+        return TransformerLM(
+            config.model_dim,
+            decoder_frontend,
+            decoder,
+            final_proj,
+            config.pad_idx,
+            config.max_seq_len,
+        )
+
+    def create_embedding(self) -> Embedding:
+        config = self._config
+
+        return VocabShardedEmbedding(
+            config.vocab_size,
+            config.model_dim,
+            config.pad_idx,
+            init_fn=self._init_embedding,
+        )
+
+    def create_decoder_frontend(self, embed: Embedding) -> TransformerFrontend:
+        config = self._config
+
+        return TransformerEmbeddingFrontend(
+            config.model_dim, embed, pos_encoder=None, no_scale=True
+        )
+
+    def create_decoder(self) -> TransformerLMDecoder:
+        config = self._config
+
+        pos_encoder = self.create_position_encoder()
+
+        layers = [
+            self.create_decoder_layer(idx, pos_encoder) for idx in range(config.num_layers)
+        ]
+
+        layer_norm = self.create_layer_norm()
+
+        return StandardTransformerLMDecoder(layers, layer_norm)
+
+    def create_position_encoder(self) -> PositionEncoder:
+        config = self._config
+
+        return PartialRotaryEncoder(
+            config.head_dim, config.rotary_dim, theta=config.rope_theta
+        )
+
+    def create_decoder_layer(
+        self, layer_idx: int, pos_encoder: PositionEncoder
+    ) -> TransformerLMDecoderLayer:
+        config = self._config
+
+        layer_type = config.get_layer_types()[layer_idx]
+
+        mixer: MultiheadAttention | GatedDeltaNet
+
+        if layer_type == "full_attention":
+            mixer = self.create_self_attention(layer_idx, pos_encoder)
+        else:
+            mixer = self.create_gated_delta_net(layer_idx)
+
+        self_attn_layer_norm = self.create_layer_norm()
+
+        ffn = self.create_ffn(layer_idx)
+
+        ffn_layer_norm = self.create_layer_norm()
+
+        return Qwen35DecoderLayer(mixer, self_attn_layer_norm, ffn, ffn_layer_norm)
+
+    def create_self_attention(
+        self, layer_idx: int, pos_encoder: PositionEncoder
+    ) -> MultiheadAttention:
+        config = self._config
+
+        sdpa = create_default_sdpa(CausalAttentionBias())
+
+        return Qwen35Attention(
+            config.model_dim,
+            config.num_attn_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            sdpa,
+            pos_encoder,
+            q_norm=self.create_layer_norm(config.head_dim),
+            k_norm=self.create_layer_norm(config.head_dim),
+            proj_init_fn=self._init_projection,
+        )
+
+    def create_gated_delta_net(self, layer_idx: int) -> GatedDeltaNet:
+        config = self._config
+
+        return GatedDeltaNet(
+            config.model_dim,
+            config.num_linear_key_heads,
+            config.num_linear_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_size,
+            norm_eps=config.rms_norm_eps,
+            backend=self.resolve_gdn_backend(),
+            proj_init_fn=self._init_projection,
+        )
+
+    def resolve_gdn_backend(self) -> Literal["torch", "fla"]:
+        backend = self._config.gdn_backend
+
+        if backend == "fla":
+            raise NotSupportedError("The fla backend is not available yet.")
+
+        return "torch"
+
+    def create_ffn(self, layer_idx: int) -> FeedForwardNetwork:
+        config = self._config
+
+        return GLUFeedForwardNetwork(
+            config.model_dim,
+            config.ffn_inner_dim,
+            bias=False,
+            inner_dim_scale=1.0,
+            proj_init_fn=self._init_projection,
+        )
+
+    def create_final_projection(self, embed: Embedding) -> Projection:
+        config = self._config
+
+        if config.tied_embeddings:
+            if not isinstance(embed, StandardEmbedding | VocabShardedEmbedding):
+                raise TypeError(
+                    f"`embed` must be of type `{StandardEmbedding}` or `{VocabShardedEmbedding}` when `config.tied_embeddings` is `True`, but is of type `{type(embed)}` instead."
+                )
+
+            if isinstance(embed, VocabShardedEmbedding) and embed.tp_gang.size > 1:
+                raise NotSupportedError(
+                    "Tied embeddings are not supported when tensor parallelism is enabled."
+                )
+
+            return TiedProjection(embed.weight, bias=None)
+
+        return ColumnShardedLinear(
+            config.model_dim,
+            config.vocab_size,
+            bias=False,
+            init_fn=self._init_projection,
+        )
+
+    def create_layer_norm(self, dim: int | None = None) -> LayerNorm:
+        config = self._config
+
+        if dim is None:
+            dim = config.model_dim
+
+        return ZeroCenteredRMSNorm(dim, eps=config.rms_norm_eps)
+
+    def _init_projection(self, proj: Linear) -> None:
+        torch.nn.init.normal_(proj.weight, std=self._config.init_std)
+
+        if proj.bias is not None:
+            torch.nn.init.zeros_(proj.bias)
+
+    def _init_embedding(self, embed: StandardEmbedding) -> None:
+        torch.nn.init.normal_(embed.weight, std=self._config.init_std)

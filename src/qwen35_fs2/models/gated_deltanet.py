@@ -1,0 +1,358 @@
+"""Gated DeltaNet, the linear-attention token mixer of Qwen3.5."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, final
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Module, Parameter
+from typing_extensions import override
+
+from fairseq2.data_type import DataType
+from fairseq2.device import Device
+from fairseq2.error import NotSupportedError
+from fairseq2.gang import Gangs, get_current_gangs
+from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag, Linear
+
+from qwen35_fs2.models.normalization import GatedRMSNorm
+from qwen35_fs2.ops import causal_conv1d, recurrent_gated_delta_rule
+
+
+@final
+class GatedDeltaNet(Module):
+    """The Gated DeltaNet token mixer (Yang et al., 2024) as used by Qwen3.5.
+
+    ::
+
+        x ──in_proj_qkv──conv1d+silu──┬─ q ─ l2norm ─┐
+                                      ├─ k ─ l2norm ─┤ gated delta rule ── norm(·, z) ── output_proj
+                                      └─ v ──────────┘      ▲   ▲           ▲
+        x ──in_proj_b── sigmoid ─────────────────── beta ───┘   │           │
+        x ──in_proj_a── -exp(A_log)·softplus(a + dt_bias) ─ g ──┘           │
+        x ──in_proj_z───────────────────────────────────────────────────────┘
+
+    Packed batches (``seqs`` of shape :math:`(T,M)`) are split at the
+    document starts of their layout: neither the convolution nor the
+    recurrent state ever crosses a document boundary. In padded batches the
+    pad positions neither decay nor write the state.
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_key_heads: int,
+        num_value_heads: int,
+        key_head_dim: int,
+        value_head_dim: int,
+        conv_kernel_size: int,
+        *,
+        norm_eps: float = 1e-6,
+        backend: Literal["torch", "fla"] = "torch",
+        proj_init_fn: Callable[[Linear], None] | None = None,
+        gangs: Gangs | None = None,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        super().__init__()
+
+        if num_value_heads % num_key_heads != 0:
+            raise ValueError(
+                f"`num_value_heads` must be a multiple of `num_key_heads` ({num_key_heads}), but is {num_value_heads} instead."
+            )
+
+        if gangs is None:
+            gangs = get_current_gangs(device)
+
+        if gangs.tp.size > 1:
+            raise NotSupportedError(
+                "`GatedDeltaNet` does not support tensor parallelism yet."
+            )
+
+        self.num_key_heads = num_key_heads
+        self.num_value_heads = num_value_heads
+        self.key_head_dim = key_head_dim
+        self.value_head_dim = value_head_dim
+        self.backend = backend
+
+        key_dim = num_key_heads * key_head_dim
+        value_dim = num_value_heads * value_head_dim
+
+        self.key_dim = key_dim
+        self.value_dim = value_dim
+
+        def make_linear(input_dim: int, output_dim: int) -> Linear:
+            return Linear(
+                input_dim,
+                output_dim,
+                bias=False,
+                init_fn=proj_init_fn,
+                device=device,
+                dtype=dtype,
+            )
+
+        self.in_proj_qkv = make_linear(model_dim, 2 * key_dim + value_dim)
+        self.in_proj_z = make_linear(model_dim, value_dim)
+        self.in_proj_b = make_linear(model_dim, num_value_heads)
+        self.in_proj_a = make_linear(model_dim, num_value_heads)
+
+        self.conv1d = CausalDepthwiseConv1d(
+            2 * key_dim + value_dim, conv_kernel_size, device=device, dtype=dtype
+        )
+
+        self.A_log = Parameter(
+            torch.empty((num_value_heads,), device=device, dtype=dtype)
+        )
+
+        self.dt_bias = Parameter(
+            torch.empty((num_value_heads,), device=device, dtype=dtype)
+        )
+
+        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, device=device, dtype=dtype)
+
+        self.output_proj = make_linear(value_dim, model_dim)
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initializes the decay parameters as the released models were."""
+        with torch.no_grad():
+            # A ~ U(0.01, 16): the lower bound keeps log(A) finite and avoids
+            # near-zero decay heads under bf16.
+            self.A_log.uniform_(0.01, 16.0).log_()
+
+        torch.nn.init.ones_(self.dt_bias)
+
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+    ) -> Tensor:
+        """
+        :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
+
+        :returns: *Shape:* Same as ``seqs``.
+        """
+        incremental = not self.training and state_bag is not None
+
+        if seqs_layout.packed:
+            cu_seqlens = self._get_cu_seqlens(seqs, seqs_layout)
+
+            # (T, M) -> (1, T, M)
+            x = seqs.unsqueeze(0)
+        else:
+            cu_seqlens = None
+
+            x = seqs
+
+        state: GatedDeltaNetState | None = None
+
+        if incremental:
+            if seqs_layout.packed or seqs_layout.padded:
+                raise ValueError(
+                    "`seqs` must be neither packed nor padded during incremental decoding."
+                )
+
+            assert state_bag is not None
+
+            state = state_bag.maybe_get_state(self, GatedDeltaNetState)
+
+            if state is not None:
+                state.check_batch_size(x.size(0))
+
+        # (N, S, M) -> (N, S, 2 x K + V)
+        qkv = self.in_proj_qkv(x)
+
+        qkv, conv_state = self.conv1d(
+            qkv,
+            cu_seqlens=cu_seqlens,
+            initial_state=None if state is None else state.conv_state,
+            output_final_state=incremental,
+        )
+
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+
+        # (N, S, H x D) -> (N, S, H, D)
+        q = q.unflatten(-1, (self.num_key_heads, self.key_head_dim))
+        k = k.unflatten(-1, (self.num_key_heads, self.key_head_dim))
+        v = v.unflatten(-1, (self.num_value_heads, self.value_head_dim))
+
+        # (N, S, HV)
+        beta = self.in_proj_b(x).sigmoid()
+
+        # The log decay is formed in fp32: it is summed over whole chunks.
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+
+        if seqs_layout.padded and not seqs_layout.packed:
+            # Pad positions neither decay nor write the state, so the final
+            # state is the one after the last real token.
+            # (N, S, 1)
+            real = (seqs_layout.position_indices >= 0).unsqueeze(-1)
+
+            beta = beta * real
+            g = g * real
+
+        o, recurrent_state = recurrent_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state=None if state is None else state.recurrent_state,
+            output_final_state=incremental,
+            cu_seqlens=cu_seqlens,
+        )
+
+        # (N, S, V) -> (N, S, HV, D_v)
+        z = self.in_proj_z(x).unflatten(-1, (self.num_value_heads, self.value_head_dim))
+
+        o = self.norm(o, z)
+
+        # (N, S, HV, D_v) -> (N, S, M)
+        output = self.output_proj(o.flatten(-2, -1))
+
+        if incremental:
+            assert state_bag is not None
+            assert conv_state is not None and recurrent_state is not None
+
+            state_bag.set_state(self, GatedDeltaNetState(conv_state, recurrent_state))
+
+        if seqs_layout.packed:
+            output = output.squeeze(0)
+
+        return output
+
+    @staticmethod
+    def _get_cu_seqlens(seqs: Tensor, seqs_layout: BatchLayout) -> Tensor:
+        """Returns the document offsets of a packed batch, the padded tail (if
+        any) being a document of its own.
+
+        A fresh tensor on every call: fla caches varlen helpers by tensor
+        identity, and activation-checkpoint recomputation must not reuse them.
+        """
+        if seqs.ndim != 2 or seqs.size(0) != seqs_layout.width:
+            raise ValueError(
+                f"`seqs` must be of shape (T={seqs_layout.width}, M) to match its packed layout, but is of shape {tuple(seqs.shape)} instead."
+            )
+
+        offsets = seqs_layout.seq_begin_indices_pt.to(device=seqs.device, dtype=torch.int64)
+
+        if seqs_layout.padded:
+            tail = offsets.new_full((1,), seqs_layout.width)
+
+            return torch.cat([offsets, tail])
+
+        return offsets.clone()
+
+    @override
+    def extra_repr(self) -> str:
+        return (
+            f"num_key_heads={self.num_key_heads}, "
+            f"num_value_heads={self.num_value_heads}, "
+            f"key_head_dim={self.key_head_dim}, "
+            f"value_head_dim={self.value_head_dim}, "
+            f"backend={self.backend}"
+        )
+
+
+@final
+class CausalDepthwiseConv1d(Module):
+    """A bias-free depthwise causal convolution whose receptive field stops
+    at document starts.
+
+    The weight keeps the :class:`torch.nn.Conv1d` shape ``[C, 1, W]`` of the
+    released checkpoints.
+    """
+
+    def __init__(
+        self,
+        num_channels: int,
+        kernel_size: int,
+        *,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        super().__init__()
+
+        self.num_channels = num_channels
+        self.kernel_size = kernel_size
+
+        self.weight = Parameter(
+            torch.empty((num_channels, 1, kernel_size), device=device, dtype=dtype)
+        )
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        cu_seqlens: Tensor | None = None,
+        initial_state: Tensor | None = None,
+        output_final_state: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """
+        :param x: *Shape:* :math:`(N,S,C)`.
+
+        :returns: ``silu(conv(x))`` and, if requested, the last ``W - 1``
+            inputs of each sequence.
+        """
+        return causal_conv1d(
+            x,
+            self.weight.squeeze(1),
+            activation="silu",
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
+
+    @override
+    def extra_repr(self) -> str:
+        return f"num_channels={self.num_channels}, kernel_size={self.kernel_size}"
+
+
+@final
+class GatedDeltaNetState(IncrementalState):
+    """Holds what a :class:`GatedDeltaNet` needs to continue a sequence: the
+    last ``W - 1`` convolution inputs and the fp32 recurrent state."""
+
+    def __init__(self, conv_state: Tensor, recurrent_state: Tensor) -> None:
+        """
+        :param conv_state: *Shape:* :math:`(N,C,W-1)`.
+        :param recurrent_state: *Shape:* :math:`(N,H_v,K,V)`, fp32.
+        """
+        if conv_state.size(0) != recurrent_state.size(0):
+            raise ValueError(
+                f"`conv_state` and `recurrent_state` must have the same batch size, but have {conv_state.size(0)} and {recurrent_state.size(0)} instead."
+            )
+
+        self.conv_state = conv_state
+        self.recurrent_state = recurrent_state
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if self.conv_state.size(0) != batch_size:
+            raise ValueError(
+                f"The batch size of `seqs` must match the batch size of the incremental state ({self.conv_state.size(0)}), but is {batch_size} instead."
+            )
+
+    @override
+    def reorder(self, new_order: Tensor) -> None:
+        self.conv_state = self.conv_state.index_select(0, new_order)
+        self.recurrent_state = self.recurrent_state.index_select(0, new_order)
+
+    @override
+    def size_bytes(self) -> int:
+        return self.capacity_bytes()
+
+    @override
+    def capacity_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size() for t in (self.conv_state, self.recurrent_state)
+        )

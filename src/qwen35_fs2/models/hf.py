@@ -1,0 +1,64 @@
+"""Loading Hugging Face Qwen3.5 directories as fairseq2 models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fairseq2.data_type import DataType
+from fairseq2.device import Device
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
+from fairseq2.models.transformer_lm import TransformerLM
+
+from qwen35_fs2.models.config import qwen35_config_from_hf
+from qwen35_fs2.models.hub import get_qwen35_model_hub
+
+
+def load_hf_config(path: Path) -> dict[str, object]:
+    """Reads ``config.json`` of a Hugging Face model directory."""
+    config_file = path / "config.json"
+
+    try:
+        text = config_file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} must be a Hugging Face model directory with a config.json file, but has none."
+        ) from None
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as ex:
+        raise ValueError(f"{config_file} is not valid JSON: {ex}") from None
+
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} must hold a JSON object.")
+
+    return config
+
+
+def load_hf_model(
+    path: str | Path,
+    *,
+    device: Device | None = None,
+    dtype: DataType | None = None,
+) -> TransformerLM:
+    """Loads a Hugging Face Qwen3.5 directory (``config.json`` and
+    safetensors, released or text-only layout) through fairseq2's checkpoint
+    loader.
+
+    :param device: The device of the model; the default device if ``None``.
+    :param dtype: The dtype of the parameters; the default dtype if ``None``.
+    """
+    path = Path(path)
+
+    config = qwen35_config_from_hf(load_hf_config(path))
+
+    hub = get_qwen35_model_hub()
+
+    try:
+        return hub.load_custom_model(path, config, device=device, dtype=dtype)
+    except CorruptModelCheckpointError as ex:
+        # fairseq2 keeps the details (which keys, which shapes) in the cause.
+        cause = f" {ex.__cause__}" if ex.__cause__ is not None else ""
+
+        raise CorruptModelCheckpointError(ex.path, f"{ex}{cause}") from ex

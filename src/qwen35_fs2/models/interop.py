@@ -1,0 +1,123 @@
+"""Converts Hugging Face Qwen3.5 checkpoints to fairseq2 state dicts."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+
+from fairseq2.error import StateDictError
+from fairseq2.models.utils.checkpoint import convert_state_dict
+
+from qwen35_fs2.models.config import Qwen35Config
+
+# Keys of the text-only layout (`Qwen3_5ForCausalLM`). The released layout
+# (`Qwen3_5ForConditionalGeneration`) nests the same keys under
+# `model.language_model.`; see `_VLM_PREFIX`.
+_HG_KEY_MAP: Final = {
+    # fmt: off
+    r"^model\.embed_tokens\.":                               r"decoder_frontend.embed.",
+    r"^model\.layers\.([0-9]+)\.input_layernorm\.":          r"decoder.layers.\1.self_attn_layer_norm.",
+    r"^model\.layers\.([0-9]+)\.post_attention_layernorm\.": r"decoder.layers.\1.ffn_layer_norm.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.q_proj\.":        r"decoder.layers.\1.self_attn.q_proj.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.k_proj\.":        r"decoder.layers.\1.self_attn.k_proj.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.v_proj\.":        r"decoder.layers.\1.self_attn.v_proj.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.q_norm\.":        r"decoder.layers.\1.self_attn.q_norm.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.k_norm\.":        r"decoder.layers.\1.self_attn.k_norm.",
+    r"^model\.layers\.([0-9]+)\.self_attn\.o_proj\.":        r"decoder.layers.\1.self_attn.output_proj.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_qkv\.": r"decoder.layers.\1.linear_attn.in_proj_qkv.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_z\.":   r"decoder.layers.\1.linear_attn.in_proj_z.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_b\.":   r"decoder.layers.\1.linear_attn.in_proj_b.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_a\.":   r"decoder.layers.\1.linear_attn.in_proj_a.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.conv1d\.":      r"decoder.layers.\1.linear_attn.conv1d.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.A_log$":        r"decoder.layers.\1.linear_attn.A_log",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.dt_bias$":      r"decoder.layers.\1.linear_attn.dt_bias",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.norm\.":        r"decoder.layers.\1.linear_attn.norm.",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.out_proj\.":    r"decoder.layers.\1.linear_attn.output_proj.",
+    r"^model\.layers\.([0-9]+)\.mlp\.gate_proj\.":           r"decoder.layers.\1.ffn.gate_proj.",
+    r"^model\.layers\.([0-9]+)\.mlp\.up_proj\.":             r"decoder.layers.\1.ffn.inner_proj.",
+    r"^model\.layers\.([0-9]+)\.mlp\.down_proj\.":           r"decoder.layers.\1.ffn.output_proj.",
+    r"^model\.norm\.":                                       r"decoder.layer_norm.",
+    r"^lm_head\.":                                           r"final_proj.",
+    # fmt: on
+}
+
+_VLM_PREFIX: Final = "model.language_model."
+
+# Tensors of the released checkpoints that a text model does not use: the
+# vision tower and the multi-token-prediction head.
+_SKIPPED_KEY_PATTERNS: Final = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."))
+
+# Present in every Hugging Face checkpoint, never in a fairseq2 one.
+_HG_SENTINEL_KEYS: Final = ("model.embed_tokens.weight", _VLM_PREFIX + "embed_tokens.weight")
+
+
+def is_hg_state_dict(state_dict: Mapping[str, object]) -> bool:
+    """Returns ``True`` if ``state_dict`` is in Hugging Face format (either
+    layout) rather than a native fairseq2 checkpoint (shard)."""
+    return any(key in state_dict for key in _HG_SENTINEL_KEYS)
+
+
+def convert_qwen35_state_dict(
+    state_dict: dict[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Converts a Hugging Face Qwen3.5 state dict to fairseq2 keys.
+
+    Native fairseq2 checkpoints (detected by the absence of the embedding's
+    Hugging Face key) pass through unchanged, so calling this on every shard
+    of a fairseq2 checkpoint is safe. The vision tower and the MTP head are
+    skipped; any other unknown key is an error.
+    """
+    if not is_hg_state_dict(state_dict):
+        return state_dict
+
+    text_state_dict = strip_vlm_prefix(state_dict)
+
+    unknown_keys = []
+
+    for key in text_state_dict:
+        if any(p.match(key) for p in _HG_KEY_MAP_PATTERNS):
+            continue
+
+        unknown_keys.append(key)
+
+    if unknown_keys:
+        raise StateDictError(
+            f"The Hugging Face checkpoint has keys that are not part of a Qwen3.5 language model: {', '.join(sorted(unknown_keys))}"
+        )
+
+    if config.tied_embeddings:
+        # A tied checkpoint may still carry its (identical) output weights.
+        text_state_dict.pop("lm_head.weight", None)
+
+    converted = convert_state_dict(text_state_dict, _HG_KEY_MAP)
+
+    if config.tied_embeddings and "decoder_frontend.embed.weight" in converted:
+        converted["final_proj.weight"] = converted["decoder_frontend.embed.weight"]
+
+    return converted
+
+
+def strip_vlm_prefix(state_dict: Mapping[str, object]) -> dict[str, object]:
+    """Returns the language-model tensors of ``state_dict`` in the text-only
+    layout, dropping the vision tower and the MTP head."""
+    text_state_dict: dict[str, object] = {}
+
+    for key, value in state_dict.items():
+        if any(p.match(key) for p in _SKIPPED_KEY_PATTERNS):
+            continue
+
+        if key.startswith(_VLM_PREFIX):
+            key = "model." + key[len(_VLM_PREFIX) :]
+
+        if key in text_state_dict:
+            raise StateDictError(
+                f"The Hugging Face checkpoint has `{key}` in both the text-only and the vision-language layout."
+            )
+
+        text_state_dict[key] = value
+
+    return text_state_dict
+
+
+_HG_KEY_MAP_PATTERNS: Final = tuple(re.compile(p) for p in _HG_KEY_MAP)
