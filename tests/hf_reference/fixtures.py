@@ -1,0 +1,61 @@
+"""Shares tiny reference checkpoints between the tests of one pytest session.
+
+Building a checkpoint costs a subprocess, so each spec is built once per
+session. To use the fixture, import it into a ``conftest.py``::
+
+    from hf_reference.fixtures import hf_tiny_models as hf_tiny_models
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import final
+
+import pytest
+
+from .runner import HfReferenceBatch
+from .spec import TinyQwen35Spec
+
+
+@final
+class TinyModelCache:
+    """Builds tiny reference checkpoints on first request and keeps them, keyed by spec."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._model_dirs: dict[TinyQwen35Spec, Path] = {}
+
+    def get(self, spec: TinyQwen35Spec) -> Path:
+        """Returns the checkpoint directory of ``spec``, building it if needed."""
+        return self.get_many([spec])[0]
+
+    def get_many(self, specs: Sequence[TinyQwen35Spec]) -> list[Path]:
+        """Returns the checkpoint directories of ``specs``, building the missing ones in one subprocess."""
+        batch = HfReferenceBatch()
+
+        built: dict[TinyQwen35Spec, Path] = {}
+
+        for spec in specs:
+            if spec not in self._model_dirs and spec not in built:
+                built[spec] = batch.make_tiny_model(self._root / _dir_name(spec), spec)
+
+        batch.run()
+
+        self._model_dirs.update(built)
+
+        return [self._model_dirs[spec] for spec in specs]
+
+
+def _dir_name(spec: TinyQwen35Spec) -> str:
+    digest = hashlib.sha256(json.dumps(spec.to_json(), sort_keys=True).encode()).hexdigest()
+
+    return f"{spec.layout}-{'moe' if spec.moe else 'dense'}-{digest[:12]}"
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModelCache:
+    """The session's cache of tiny reference checkpoints."""
+    return TinyModelCache(tmp_path_factory.mktemp("hf_tiny_models"))
