@@ -38,6 +38,7 @@ from qwen35_fs2.models.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, check_config
 from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.models.loss import install_chunked_lm_loss
 from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.models.rotary import PartialRotaryEncoder
 
@@ -66,7 +67,7 @@ class Qwen35Factory:
 
         final_proj = self.create_final_projection(embed)
 
-        return TransformerLM(
+        model = TransformerLM(
             config.model_dim,
             decoder_frontend,
             decoder,
@@ -74,6 +75,8 @@ class Qwen35Factory:
             config.pad_idx,
             config.max_seq_len,
         )
+
+        return install_chunked_lm_loss(model)
 
     def create_embedding(self) -> Embedding:
         config = self._config
