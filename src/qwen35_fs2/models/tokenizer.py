@@ -288,7 +288,11 @@ class Qwen35TokenizerConfig:
 
 def load_qwen35_tokenizer(path: Path, config: Qwen35TokenizerConfig) -> Qwen35Tokenizer:
     """Loads a Qwen3.5 tokenizer from the Hugging Face tokenizer directory
-    ``path`` (``tokenizer.json``, optionally ``tokenizer_config.json``).
+    ``path``.
+
+    Only ``tokenizer.json`` is read: eos and pad come from ``config``, the chat
+    template is ours, and ``tokenizer_config.json`` files written by
+    transformers 5.x name classes that transformers 4.57 does not have.
 
     ``path`` may be the not yet built directory of :func:`qwen35_tokenizer_card`,
     in which case it is built first.
@@ -301,21 +305,22 @@ def load_qwen35_tokenizer(path: Path, config: Qwen35TokenizerConfig) -> Qwen35To
             f"{path} must be a tokenizer directory, but does not exist."
         )
 
-    if not path.joinpath("tokenizer.json").is_file():
+    tokenizer_file = path.joinpath("tokenizer.json")
+    if not tokenizer_file.is_file():
         raise TokenizerModelError(
             path, f"{path} must contain a tokenizer.json file, but does not."
         )
 
     try:
-        tok = PreTrainedTokenizerFast.from_pretrained(
-            path, local_files_only=True, clean_up_tokenization_spaces=False
+        tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+            tokenizer_file=str(tokenizer_file), clean_up_tokenization_spaces=False
         )
     except OSError:
         # fairseq2 reports I/O errors as operational errors.
         raise
     except Exception as ex:  # `tokenizers` raises a bare `Exception`.
         raise TokenizerModelError(
-            path, f"{path} is not a valid Hugging Face tokenizer directory."
+            path, f"{tokenizer_file} is not a valid Hugging Face tokenizer file."
         ) from ex
 
     backend = tok.backend_tokenizer

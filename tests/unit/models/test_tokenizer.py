@@ -196,7 +196,11 @@ def _write_tiny_tokenizer_dir(path: Path, tokenizer_class: str | None) -> Path:
 
     backend.save(str(path.joinpath("tokenizer.json")))
 
-    config: dict[str, object] = {"eos_token": "<|endoftext|>", "pad_token": None}
+    config: dict[str, object] = {
+        "eos_token": "<|endoftext|>",
+        "pad_token": None,
+        "chat_template": "{{ 'Not ours.' }}",
+    }
 
     if tokenizer_class is not None:
         config["tokenizer_class"] = tokenizer_class
@@ -350,7 +354,7 @@ class TestLoadQwen35Tokenizer:
     @pytest.mark.parametrize(
         "tokenizer_class", ["Qwen2Tokenizer", "Qwen3_5Tokenizer", None]
     )
-    def test_loads_directory_whatever_its_tokenizer_class(
+    def test_ignores_tokenizer_config_of_directory(
         self, tmp_path: Path, tokenizer_class: str | None
     ) -> None:
         path = _write_tiny_tokenizer_dir(tmp_path / "tokenizer", tokenizer_class)
@@ -362,6 +366,13 @@ class TestLoadQwen35Tokenizer:
             ord("i"),
             TINY_IM_END_IDX,
         ]
+
+        # Not the eos token and the chat template of `tokenizer_config.json`.
+        assert tokenizer.vocab_info.eos_idx == TINY_IM_END_IDX
+
+        chat = [{"role": "user", "content": "Hi"}]
+
+        assert _render(tokenizer, chat) == "<|im_start|>user\nHi<|im_end|>\n"
 
     def test_replaces_pre_tokenizer_and_normalizer_of_directory(
         self, tiny_tokenizer: Qwen35Tokenizer
