@@ -1,0 +1,662 @@
+"""Continued pretraining data: parquet text shards (FineWeb-Edu
+``sample-10BT`` by default), tokenized, packed and sharded across
+data-parallel ranks, with exactly resumable reading.
+
+The pieces, for a recipe:
+
+- :class:`PretrainingDatasetConfig` is the ``dataset.config_overrides`` of a
+  recipe; register the family with ``register_dataset_family(container,
+  PRETRAINING_DATASET, PretrainingDataset, PretrainingDatasetConfig,
+  opener=open_pretraining_dataset)``.
+- :meth:`PretrainingDataset.create_reader` returns a :class:`PretrainingReader`,
+  a fairseq2 ``DataReader[SequenceBatch]`` to hand to ``create_trainer``.
+
+Semantics of the reader:
+
+- **Batches** are packed 1-D ``SequenceBatch`` objects of ``max_num_tokens + 1``
+  tokens with a ``target_mask``; see :mod:`qwen35_fs2.datasets.packing` for
+  segments, splits and which targets count. Each document is encoded with
+  ``tokenizer.create_encoder(mode="default")``, which appends the tokenizer's
+  EOS: configure the Qwen3.5 tokenizer with ``eos_token: <|endoftext|>`` for
+  pretraining. Empty and whitespace-only texts are skipped, with a logged
+  count; a null text is an error naming its file and row.
+- **Sharding.** The unit of work is a parquet row group. Each epoch, the row
+  groups are shuffled (``seed`` and the epoch number) and dealt to the ranks
+  of ``gangs.dp``, each to the rank with the fewest text bytes so far, so
+  ranks read disjoint data of similar size. Rows are shuffled within a row
+  group. With ``shuffle=False`` the order is file order. Fewer row groups
+  than ranks is an error. Tensor-parallel peers share a DP rank and so get
+  the same batches.
+- **Steps and epochs.** Each call returns ``num_accumulate`` batches. Ranks
+  agree on every call (one all-gather of two integers over ``gangs.dp``) on
+  the number of batches: when one rank runs out, all stop the epoch together
+  (the rest of the others' epoch is dropped, as in fairseq2's
+  ``SyncMode.UNTIL_FIRST``), and when one rank fails to read, all raise.
+  Packing does not cross epochs: the last partial batch of an epoch is dropped
+  or, with ``drop_remainder=False``, padded. :meth:`PretrainingReader.reset`
+  starts the next epoch, with a new order; fairseq2's trainer calls it at the
+  end of each epoch.
+- **Resumption.** The state is the epoch and the position (row group, row,
+  token) where the next batch starts; a batch always starts empty, so no
+  tokens are saved. After ``load_state_dict`` the reader re-reads that row
+  group and produces bitwise the batches an uninterrupted reader would have.
+  The state records the dataset, seed, rank and packing parameters; loading
+  it into a reader that differs in any of them is an error.
+- **Throughput.** Reading, tokenization and packing run in a background
+  thread, ``prefetch`` batches ahead; batches are in pinned memory when
+  ``gangs.dp`` is on CUDA.
+
+Recipes compiling the model should set ``BatchLayout.compiled_max_seq_len =
+max_seq_len``, as fairseq2's ``lm/train`` recipe does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import queue
+import random
+import threading
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final, Generic, TypeVar, Union, final
+
+import torch
+from fairseq2.data.tokenizers import TokenEncoder, Tokenizer
+from fairseq2.datasets import DataReader, DataReadError, SequenceBatch
+from fairseq2.gang import Gangs
+from fairseq2.logging import log
+from typing_extensions import Self, override
+
+from qwen35_fs2.datasets.packing import DocumentPacker
+from qwen35_fs2.datasets.parquet import (
+    HG_URI_PREFIX,
+    ParquetRowGroup,
+    index_parquet_row_groups,
+    read_parquet_texts,
+    resolve_parquet_files,
+)
+
+PRETRAINING_DATASET: Final = "qwen35_pretraining"
+"""The name of the pretraining dataset family."""
+
+_STATE_VERSION: Final = 1
+
+
+@dataclass(kw_only=True)
+class PretrainingDatasetConfig:
+    paths: list[str] = field(
+        default_factory=lambda: ["hg://HuggingFaceFW/fineweb-edu"]
+    )
+    """
+    Parquet files, directories (searched recursively for ``*.parquet``) and
+    ``hg://org/dataset`` Hugging Face Hub dataset repositories.
+    """
+
+    hf_allow_patterns: list[str] = field(
+        default_factory=lambda: ["sample/10BT/*.parquet"]
+    )
+    """The files of ``hg://`` repositories to download and read."""
+
+    text_column: str = "text"
+    """The string column holding the documents."""
+
+
+@final
+class PretrainingDataset:
+    """A corpus of parquet text shards. Files are resolved, and ``hg://``
+    repositories downloaded, when a reader is created, since that needs the
+    gangs."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | Path],
+        *,
+        hf_allow_patterns: Sequence[str] = ("*.parquet",),
+        text_column: str = "text",
+    ) -> None:
+        if not paths:
+            raise ValueError("`paths` must contain at least one path or URI, but is empty instead.")  # fmt: skip
+
+        self._paths = list(paths)
+        self._hf_allow_patterns = list(hf_allow_patterns)
+        self._text_column = text_column
+
+    def create_reader(
+        self,
+        tokenizer: Tokenizer,
+        gangs: Gangs,
+        *,
+        max_seq_len: int,
+        max_num_tokens: int,
+        num_accumulate: int = 1,
+        seed: int = 2,
+        shuffle: bool = True,
+        drop_remainder: bool = True,
+        prefetch: int = 4,
+    ) -> PretrainingReader:
+        """
+        :param max_seq_len: The maximum length of a packed segment; longer
+            documents are split.
+        :param max_num_tokens: The number of input tokens of a batch; batches
+            hold ``max_num_tokens + 1`` tokens.
+        :param num_accumulate: The number of batches returned per call, for
+            gradient accumulation.
+        :param seed: The seed of the shuffling, the same on every rank.
+        :param shuffle: If ``False``, row groups and rows are read in file
+            order (for validation).
+        :param drop_remainder: If ``False``, the last partial batch of an epoch
+            is padded instead of dropped.
+        :param prefetch: The number of batches prepared ahead in a background
+            thread; 0 prepares them in the calling thread.
+        """
+        files = _resolve_files_on_gangs(self._paths, self._hf_allow_patterns, gangs)
+
+        row_groups = index_parquet_row_groups(files, text_column=self._text_column)
+
+        vocab_info = tokenizer.vocab_info
+
+        encoder = tokenizer.create_encoder(mode="default")
+
+        suffix = encoder.suffix_indices
+        if vocab_info.eos_idx is None or suffix is None or suffix.tolist() != [vocab_info.eos_idx]:  # fmt: skip
+            raise ValueError(
+                f"The tokenizer's default mode must end each document with its EOS token, but appends {None if suffix is None else suffix.tolist()} instead (EOS index: {vocab_info.eos_idx})."
+            )
+
+        pad_value = vocab_info.pad_idx if vocab_info.pad_idx is not None else 0
+
+        return PretrainingReader(
+            row_groups,
+            encoder,
+            gangs,
+            text_column=self._text_column,
+            max_seq_len=max_seq_len,
+            max_num_tokens=max_num_tokens,
+            num_accumulate=num_accumulate,
+            seed=seed,
+            shuffle=shuffle,
+            drop_remainder=drop_remainder,
+            prefetch=prefetch,
+            pad_value=pad_value,
+            pin_memory=gangs.dp.device.type == "cuda",
+            tokenizer_id=f"vocab_size={vocab_info.size},eos_idx={vocab_info.eos_idx}",
+        )
+
+
+def open_pretraining_dataset(config: PretrainingDatasetConfig) -> PretrainingDataset:
+    """The opener of the :data:`PRETRAINING_DATASET` family."""
+    return PretrainingDataset(
+        config.paths,
+        hf_allow_patterns=config.hf_allow_patterns,
+        text_column=config.text_column,
+    )
+
+
+def _resolve_files_on_gangs(
+    paths: Sequence[str | Path], hf_allow_patterns: Sequence[str], gangs: Gangs
+) -> list[Path]:
+    # Without a remote source every rank resolves on its own.
+    if gangs.root.size == 1 or not any(str(p).startswith(HG_URI_PREFIX) for p in paths):  # fmt: skip
+        return resolve_parquet_files(paths, hf_allow_patterns=hf_allow_patterns)
+
+    # Rank 0 downloads first, so that the others find the files in a shared
+    # cache instead of all querying the Hub. Its outcome is broadcast, so that
+    # a failed download fails every rank instead of leaving them waiting.
+    outcome: list[object] = [None]
+
+    files: list[Path] = []
+
+    if gangs.root.rank == 0:
+        try:
+            files = resolve_parquet_files(paths, hf_allow_patterns=hf_allow_patterns)
+        except Exception as ex:
+            outcome[0] = f"{type(ex).__name__}: {ex}"
+
+            gangs.root.broadcast_objects(outcome)
+
+            raise
+
+    gangs.root.broadcast_objects(outcome)
+
+    if outcome[0] is not None:
+        raise DataReadError(f"Rank 0 failed to download the dataset: {outcome[0]}")
+
+    if gangs.root.rank != 0:
+        try:
+            files = resolve_parquet_files(
+                paths, hf_allow_patterns=hf_allow_patterns, local_files_only=True
+            )
+        except (FileNotFoundError, OSError):
+            # No cache shared with rank 0 (e.g. on another node).
+            files = resolve_parquet_files(paths, hf_allow_patterns=hf_allow_patterns)
+
+    return files
+
+
+@final
+@dataclass(frozen=True)
+class _Cursor:
+    """Where the next batch of an epoch starts: the row group (an index into
+    this rank's plan), the row (an index into the row group's row order) and
+    the token of that row's document."""
+
+    unit: int
+    row: int
+    token: int
+
+
+_BatchAndCursor = tuple[SequenceBatch, _Cursor]
+
+
+@final
+class PretrainingReader(DataReader[SequenceBatch]):
+    """Reads packed batches from parquet row groups; see the module docstring
+    for the sharding, epoch and resumption semantics."""
+
+    def __init__(
+        self,
+        row_groups: Sequence[ParquetRowGroup],
+        encoder: TokenEncoder,
+        gangs: Gangs,
+        *,
+        text_column: str,
+        max_seq_len: int,
+        max_num_tokens: int,
+        num_accumulate: int = 1,
+        seed: int = 2,
+        shuffle: bool = True,
+        drop_remainder: bool = True,
+        prefetch: int = 4,
+        pad_value: int = 0,
+        pin_memory: bool = False,
+        tokenizer_id: str = "",
+    ) -> None:
+        """
+        :param row_groups: The row groups of the whole dataset, the same on
+            every rank (see :func:`index_parquet_row_groups`).
+        :param encoder: Encodes a document, ending it with EOS.
+        :param tokenizer_id: Identifies the tokenizer in the state, so that a
+            state is not loaded with another tokenizer.
+
+        See :meth:`PretrainingDataset.create_reader` for the other parameters.
+        """
+        dp_size = gangs.dp.size
+
+        if len(row_groups) < dp_size:
+            raise ValueError(
+                f"The dataset must have at least as many non-empty parquet row groups as data-parallel ranks ({dp_size}), but has {len(row_groups)} instead. Use more or smaller row groups, or fewer ranks."
+            )
+
+        if max_num_tokens < 1:
+            raise ValueError(f"`max_num_tokens` must be greater than or equal to 1, but is {max_num_tokens} instead.")  # fmt: skip
+
+        if max_seq_len < 2:
+            raise ValueError(f"`max_seq_len` must be greater than or equal to 2, but is {max_seq_len} instead.")  # fmt: skip
+
+        if num_accumulate < 1:
+            raise ValueError(f"`num_accumulate` must be greater than or equal to 1, but is {num_accumulate} instead.")  # fmt: skip
+
+        if prefetch < 0:
+            raise ValueError(f"`prefetch` must be greater than or equal to 0, but is {prefetch} instead.")  # fmt: skip
+
+        self._row_groups = list(row_groups)
+        self._encoder = encoder
+        self._gangs = gangs
+        self._text_column = text_column
+        self._max_seq_len = max_seq_len
+        self._batch_width = max_num_tokens + 1
+        self._num_accumulate = num_accumulate
+        self._seed = seed
+        self._shuffle = shuffle
+        self._drop_remainder = drop_remainder
+        self._prefetch = prefetch
+        self._pad_value = pad_value
+        self._pin_memory = pin_memory
+
+        digest = hashlib.sha256()
+
+        for rg in self._row_groups:
+            digest.update(f"{rg.file.name}:{rg.index}:{rg.num_rows}\n".encode())
+
+        # Everything the batch stream depends on, except the file contents.
+        self._fingerprint: dict[str, object] = {
+            "row_groups": digest.hexdigest(),
+            "tokenizer": tokenizer_id,
+            "text_column": text_column,
+            "dp_rank": gangs.dp.rank,
+            "dp_size": dp_size,
+            "seed": seed,
+            "shuffle": shuffle,
+            "max_seq_len": max_seq_len,
+            "max_num_tokens": max_num_tokens,
+            "drop_remainder": drop_remainder,
+        }
+
+        self._epoch = 0
+        self._cursor = _Cursor(0, 0, 0)
+        self._eod = False
+        self._source: _BatchSource | None = None
+
+    @override
+    def __iter__(self) -> Self:
+        return self
+
+    @override
+    def __next__(self) -> list[SequenceBatch]:
+        if self._eod:
+            raise StopIteration()
+
+        if self._source is None:
+            self._source = self._open_source()
+
+        batches: list[SequenceBatch] = []
+        cursors: list[_Cursor] = []
+
+        error: Exception | None = None
+
+        for _ in range(self._num_accumulate):
+            try:
+                batch, cursor = next(self._source)
+            except StopIteration:
+                break
+            except Exception as ex:  # Reported to the other ranks first.
+                error = ex
+
+                # The next call starts over from the last returned batch.
+                self._close_source()
+
+                break
+
+            batches.append(batch)
+            cursors.append(cursor)
+
+        num_batches = self._sync(len(batches), error)
+
+        if num_batches == 0:
+            self._eod = True
+
+            raise StopIteration()
+
+        self._cursor = cursors[num_batches - 1]
+
+        return batches[:num_batches]
+
+    def _sync(self, num_batches: int, error: Exception | None) -> int:
+        gang = self._gangs.dp
+
+        if gang.size == 1:
+            if error is not None:
+                raise error
+
+            return num_batches
+
+        local = torch.tensor(
+            [num_batches, error is not None], dtype=torch.int64, device=gang.device
+        )
+
+        # A list, not a stacked tensor: Gloo gathers only into lists or flat
+        # tensors, and fairseq2's `FakeGang` only into lists or stacks.
+        gathered = [torch.zeros_like(local) for _ in range(gang.size)]
+
+        gang.all_gather_to_list(gathered, local)
+
+        if error is not None:
+            raise error
+
+        failed_ranks = [rank for rank, t in enumerate(gathered) if t[1] != 0]
+        if failed_ranks:
+            raise DataReadError(
+                f"Data-parallel rank(s) {failed_ranks} failed to read the dataset; see their logs."
+            )
+
+        return min(int(t[0]) for t in gathered)
+
+    def _open_source(self) -> _BatchSource:
+        plan = self._plan_epoch(self._epoch)
+
+        batches = self._produce(self._epoch, plan, self._cursor)
+
+        if self._prefetch == 0:
+            return batches
+
+        return _BackgroundIterator(batches, self._prefetch)
+
+    def _plan_epoch(self, epoch: int) -> list[int]:
+        """Returns the indices of this rank's row groups for ``epoch``, in
+        reading order."""
+        order = list(range(len(self._row_groups)))
+
+        if self._shuffle:
+            _rng(self._seed, epoch).shuffle(order)
+
+        # Greedy balancing by text bytes; ties go to the lowest rank, so the
+        # first row groups go to distinct ranks.
+        loads = [(0, rank) for rank in range(self._gangs.dp.size)]
+
+        plan: list[int] = []
+
+        for rg_idx in order:
+            load, rank = heapq.heappop(loads)
+
+            if rank == self._gangs.dp.rank:
+                plan.append(rg_idx)
+
+            num_bytes = max(self._row_groups[rg_idx].num_bytes, 1)
+
+            heapq.heappush(loads, (load + num_bytes, rank))
+
+        return plan
+
+    def _row_order(self, epoch: int, rg_idx: int, num_rows: int) -> list[int]:
+        order = list(range(num_rows))
+
+        if self._shuffle:
+            _rng(self._seed, epoch, rg_idx).shuffle(order)
+
+        return order
+
+    def _produce(
+        self, epoch: int, plan: list[int], start: _Cursor
+    ) -> Generator[_BatchAndCursor, None, None]:
+        """Yields the batches of ``epoch`` from ``start`` on, each with the
+        cursor of the batch after it."""
+        packer = DocumentPacker(
+            self._batch_width,
+            self._max_seq_len,
+            pad_value=self._pad_value,
+            pin_memory=self._pin_memory,
+        )
+
+        for unit in range(start.unit, len(plan)):
+            row_group = self._row_groups[plan[unit]]
+
+            texts = read_parquet_texts(row_group, text_column=self._text_column)
+
+            order = self._row_order(epoch, plan[unit], len(texts))
+
+            num_skipped = 0
+
+            for row in range(start.row if unit == start.unit else 0, len(order)):
+                text = texts[order[row]]
+
+                if not text.strip():
+                    num_skipped += 1
+
+                    continue
+
+                tokens = self._encoder(text)
+
+                offset: int | None = 0
+                if unit == start.unit and row == start.row:
+                    offset = start.token
+
+                while offset is not None:
+                    offset = packer.append(tokens, offset)
+
+                    if packer.is_full:
+                        if offset is not None:
+                            cursor = _Cursor(unit, row, offset)
+                        elif row + 1 < len(order):
+                            cursor = _Cursor(unit, row + 1, 0)
+                        else:
+                            cursor = _Cursor(unit + 1, 0, 0)
+
+                        yield packer.take(), cursor
+
+            if num_skipped > 0:
+                log.warning("Skipped {} empty or whitespace-only document(s) in row group {} of {}.", num_skipped, row_group.index, row_group.file)  # fmt: skip
+
+        if not self._drop_remainder and not packer.is_empty:
+            yield packer.take(), _Cursor(len(plan), 0, 0)
+
+    def _close_source(self) -> None:
+        if self._source is not None:
+            self._source.close()
+
+            self._source = None
+
+    @override
+    def reset(self) -> None:
+        """Starts the next epoch."""
+        self._close_source()
+
+        self._epoch += 1
+        self._cursor = _Cursor(0, 0, 0)
+        self._eod = False
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "unit": self._cursor.unit,
+            "row": self._cursor.row,
+            "token": self._cursor.token,
+            "fingerprint": dict(self._fingerprint),
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        version = state_dict.get("version")
+        if version != _STATE_VERSION:
+            raise ValueError(f"The version of the reader state must be {_STATE_VERSION}, but is {version} instead.")  # fmt: skip
+
+        fingerprint = state_dict.get("fingerprint")
+        if not isinstance(fingerprint, dict):
+            raise ValueError(f"The reader state must have a `fingerprint` dictionary, but has {fingerprint!r} instead.")  # fmt: skip
+
+        for key, value in self._fingerprint.items():
+            if fingerprint.get(key) != value:
+                raise ValueError(
+                    f"The reader state must be loaded into a reader of the same dataset and settings, but its `{key}` is {fingerprint.get(key)!r} where the reader's is {value!r}."
+                )
+
+        position: list[int] = []
+
+        for key in ("epoch", "unit", "row", "token"):
+            value = state_dict.get(key)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"`{key}` of the reader state must be a non-negative integer, but is {value!r} instead.")  # fmt: skip
+
+            position.append(value)
+
+        self._close_source()
+
+        self._epoch = position[0]
+        self._cursor = _Cursor(*position[1:])
+        self._eod = False
+
+    @property
+    @override
+    def num_accumulate(self) -> int:
+        return self._num_accumulate
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch, counted from 0."""
+        return self._epoch
+
+
+def _rng(*keys: int) -> random.Random:
+    """Returns a generator seeded by ``keys``, the same in every process
+    (unlike one seeded with ``hash``)."""
+    seed = hashlib.sha256(repr(keys).encode()).digest()[:8]
+
+    return random.Random(int.from_bytes(seed, "little"))
+
+
+T = TypeVar("T")
+
+
+@final
+class _BackgroundIterator(Generic[T]):
+    """Runs a generator in a daemon thread, at most ``capacity`` items
+    ahead of the consumer."""
+
+    _END: Final = object()
+
+    def __init__(self, generator: Generator[T, None, None], capacity: int) -> None:
+        self._generator = generator
+        self._queue: queue.Queue[tuple[object, BaseException | None]] = queue.Queue(capacity)  # fmt: skip
+        self._stop = threading.Event()
+        self._done = False
+
+        self._thread = threading.Thread(
+            target=self._run, name="qwen35-data-reader", daemon=True
+        )
+
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for item in self._generator:
+                if not self._put((item, None)):
+                    return
+
+            self._put((self._END, None))
+        except BaseException as ex:
+            self._put((None, ex))
+        finally:
+            self._generator.close()
+
+    def _put(self, entry: tuple[object, BaseException | None]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=0.1)
+            except queue.Full:
+                continue
+
+            return True
+
+        return False
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration()
+
+        item, error = self._queue.get()
+
+        if error is not None:
+            self._done = True
+
+            raise error
+
+        if item is self._END:
+            self._done = True
+
+            raise StopIteration()
+
+        return item  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self._stop.set()
+
+        self._thread.join()
+
+
+# The batches of the current epoch, with a way to abandon them.
+_BatchSource = Union[
+    Generator[_BatchAndCursor, None, None], _BackgroundIterator[_BatchAndCursor]
+]

@@ -1,0 +1,531 @@
+from __future__ import annotations
+
+import io
+import json
+import logging
+import multiprocessing
+import socket
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from fairseq2.datasets import DataReadError, SequenceBatch
+from qwen35_datasets_testing import (
+    BYTE_EOS,
+    ByteTokenizer,
+    batch_key,
+    byte_tokens,
+    fake_gangs,
+    flatten,
+    location_of,
+    run_two_rank_worker,
+    unpack_documents,
+    write_text_shards,
+)
+
+from qwen35_fs2.datasets import (
+    PretrainingDataset,
+    PretrainingDatasetConfig,
+    PretrainingReader,
+    open_pretraining_dataset,
+)
+from qwen35_fs2.datasets import pretraining
+from qwen35_fs2.datasets.parquet import (
+    ParquetRowGroup,
+    ParquetTextError,
+    read_parquet_texts,
+)
+
+
+def _read_all(reader: PretrainingReader) -> list[list[SequenceBatch]]:
+    return list(reader)
+
+
+def _file_order_texts(files: list[Path]) -> list[str]:
+    texts: list[str] = []
+
+    for file in files:
+        texts.extend(pq.read_table(file, columns=["text"]).column(0).to_pylist())
+
+    return texts
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[list[str]]]]:  # fmt: skip
+    """4 files of 3 row groups of uneven sizes; texts of up to ~500 bytes."""
+    out_dir = tmp_path_factory.mktemp("shards")
+
+    sizes = [[7, 3, 9], [5, 5, 5], [12, 1, 4], [6, 8, 2]]
+
+    return out_dir, write_text_shards(out_dir, sizes, seed=3)
+
+
+class TestPretrainingReader:
+    def test_reader_yields_every_document_in_file_order_without_shuffle(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer
+    ) -> None:
+        reader = PretrainingDataset([fineweb_dir]).create_reader(
+            byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, shuffle=False, drop_remainder=False  # fmt: skip
+        )
+
+        batches = flatten(_read_all(reader))
+
+        for batch in batches[:-1]:
+            assert batch.seqs.shape == (512,)
+            assert batch.padding == 0
+            assert max(batch.seq_lens) <= 300
+
+        assert batches[-1].seqs.shape == (512,)
+
+        files = sorted(fineweb_dir.rglob("*.parquet"))
+
+        expected = [byte_tokens(text) for text in _file_order_texts(files)]
+
+        assert unpack_documents(batches, BYTE_EOS) == expected
+
+    def test_reader_drops_the_last_partial_batch_by_default(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer
+    ) -> None:
+        def create(drop_remainder: bool) -> PretrainingReader:
+            return PretrainingDataset([fineweb_dir]).create_reader(
+                byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, drop_remainder=drop_remainder  # fmt: skip
+            )
+
+        kept = flatten(_read_all(create(False)))
+        dropped = flatten(_read_all(create(True)))
+
+        assert kept[-1].padding > 0
+        assert all(batch.padding == 0 for batch in dropped)
+        assert [batch_key(b) for b in dropped] == [batch_key(b) for b in kept[:-1]]
+
+    def test_reader_shuffles_the_same_documents_deterministically(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer
+    ) -> None:
+        def read(seed: int) -> list[SequenceBatch]:
+            reader = PretrainingDataset([fineweb_dir]).create_reader(
+                byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, seed=seed, drop_remainder=False  # fmt: skip
+            )
+
+            return flatten(_read_all(reader))
+
+        first, again, other = read(1), read(1), read(2)
+
+        assert [batch_key(b) for b in first] == [batch_key(b) for b in again]
+        assert [batch_key(b) for b in first] != [batch_key(b) for b in other]
+
+        files = sorted(fineweb_dir.rglob("*.parquet"))
+
+        in_file_order = [byte_tokens(text) for text in _file_order_texts(files)]
+
+        documents = unpack_documents(first, BYTE_EOS)
+
+        assert documents != in_file_order
+
+        def as_counter(docs: list[list[int]]) -> Counter[tuple[int, ...]]:
+            return Counter(tuple(d) for d in docs)
+
+        assert as_counter(documents) == as_counter(in_file_order)
+        assert as_counter(unpack_documents(other, BYTE_EOS)) == as_counter(in_file_order)
+
+    def test_reset_starts_an_epoch_with_another_order_of_the_same_documents(
+        self, shards: tuple[Path, list[list[list[str]]]]
+    ) -> None:
+        data_dir, _ = shards
+
+        reader = PretrainingDataset([data_dir]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=48, max_num_tokens=100, drop_remainder=False  # fmt: skip
+        )
+
+        epoch0 = flatten(_read_all(reader))
+
+        # Exhausted until reset.
+        with pytest.raises(StopIteration):
+            next(reader)
+
+        reader.reset()
+
+        assert reader.epoch == 1
+
+        epoch1 = flatten(_read_all(reader))
+
+        locations0 = [location_of(d) for d in unpack_documents(epoch0, BYTE_EOS)]
+        locations1 = [location_of(d) for d in unpack_documents(epoch1, BYTE_EOS)]
+
+        assert sorted(locations0) == sorted(locations1)
+
+        # Both the row groups and the rows within them are reordered.
+        def row_groups(locations: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+            return list(dict.fromkeys((f, g) for f, g, _ in locations))
+
+        assert row_groups(locations0) != row_groups(locations1)
+
+        def rows(locations: list[tuple[int, int, int]]) -> dict[tuple[int, int], list[int]]:  # fmt: skip
+            return {rg: [r for f, g, r in locations if (f, g) == rg] for rg in row_groups(locations)}  # fmt: skip
+
+        assert rows(locations0) != rows(locations1)
+
+    @pytest.mark.parametrize("prefetch", [0, 3])
+    def test_resumed_reader_continues_bitwise_like_an_uninterrupted_one(
+        self, shards: tuple[Path, list[list[list[str]]]], prefetch: int
+    ) -> None:
+        data_dir, _ = shards
+
+        def create() -> PretrainingReader:
+            return PretrainingDataset([data_dir]).create_reader(
+                ByteTokenizer(), fake_gangs(0, 1), max_seq_len=48, max_num_tokens=100, num_accumulate=2, prefetch=prefetch, drop_remainder=False  # fmt: skip
+            )
+
+        # Two epochs, uninterrupted.
+        reference = create()
+
+        # `states[i]` is the state after `i` steps.
+        steps: list[list[tuple[object, ...]]] = []
+        states: list[dict[str, object]] = [reference.state_dict()]
+
+        for batches in reference:
+            steps.append([batch_key(b) for b in batches])
+
+            states.append(reference.state_dict())
+
+        num_epoch0_steps = len(steps)
+
+        reference.reset()
+
+        for batches in reference:
+            steps.append([batch_key(b) for b in batches])
+
+            states.append(reference.state_dict())
+
+        # Some states must fall inside a document, the hardest case.
+        assert any(state["token"] != 0 for state in states)
+
+        checked_steps = sorted({0, 1, 2, 5, num_epoch0_steps - 1, num_epoch0_steps, num_epoch0_steps + 3, len(steps) - 1})  # fmt: skip
+
+        for step in checked_steps:
+            # Through a file, as the trainer's checkpoints do.
+            buffer = io.BytesIO()
+
+            torch.save(states[step], buffer)
+
+            buffer.seek(0)
+
+            resumed = create()
+
+            resumed.load_state_dict(torch.load(buffer, weights_only=True))
+
+            resumed_steps = []
+
+            for _ in range(2):
+                for batches in resumed:
+                    resumed_steps.append([batch_key(b) for b in batches])
+
+                if resumed.epoch == 1:
+                    break
+
+                resumed.reset()
+
+            assert resumed_steps == steps[step:], f"Resuming after step {step} differs."
+
+    def test_load_state_dict_raises_error_when_reader_settings_differ(
+        self, shards: tuple[Path, list[list[list[str]]]]
+    ) -> None:
+        data_dir, _ = shards
+
+        def create(seed: int) -> PretrainingReader:
+            return PretrainingDataset([data_dir]).create_reader(
+                ByteTokenizer(), fake_gangs(0, 1), max_seq_len=48, max_num_tokens=100, seed=seed  # fmt: skip
+            )
+
+        state = create(1).state_dict()
+
+        with pytest.raises(ValueError, match=r"its `seed` is 1 where the reader's is 2"):
+            create(2).load_state_dict(state)
+
+    def test_ranks_read_disjoint_row_groups_and_together_everything(
+        self, shards: tuple[Path, list[list[list[str]]]], monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        data_dir, texts = shards
+
+        read_row_groups: list[tuple[str, int]] = []
+
+        def recording_read_parquet_texts(row_group: ParquetRowGroup, **kwargs: str) -> list[str]:  # fmt: skip
+            read_row_groups.append((row_group.file.name, row_group.index))
+
+            return read_parquet_texts(row_group, **kwargs)
+
+        monkeypatch.setattr(pretraining, "read_parquet_texts", recording_read_parquet_texts)  # fmt: skip
+
+        row_groups_of_rank = []
+        documents_of_rank = []
+
+        for rank in range(2):
+            read_row_groups.clear()
+
+            reader = PretrainingDataset([data_dir]).create_reader(
+                ByteTokenizer(), fake_gangs(rank, 2), max_seq_len=48, max_num_tokens=100, drop_remainder=False  # fmt: skip
+            )
+
+            batches = flatten(_read_all(reader))
+
+            locations = [location_of(doc) for doc in unpack_documents(batches, BYTE_EOS)]
+
+            row_groups_of_rank.append({(f, g) for f, g, _ in locations})
+
+            documents_of_rank.append(locations)
+
+            # Each row group is read once, by one rank.
+            assert len(read_row_groups) == len(set(read_row_groups))
+            assert len(read_row_groups) == len(row_groups_of_rank[-1])
+
+        assert not row_groups_of_rank[0] & row_groups_of_rank[1]
+
+        all_locations = sorted(
+            (f, g, r)
+            for f, file_texts in enumerate(texts)
+            for g, rg_texts in enumerate(file_texts)
+            for r in range(len(rg_texts))
+        )
+
+        assert sorted(documents_of_rank[0] + documents_of_rank[1]) == all_locations
+
+        # Whole row groups: a rank reads every row of the row groups it reads.
+        for rank in range(2):
+            for f, g in row_groups_of_rank[rank]:
+                rows = {r for f2, g2, r in documents_of_rank[rank] if (f2, g2) == (f, g)}
+
+                assert rows == set(range(len(texts[f][g])))
+
+        # The balancing by bytes keeps the ranks within one row group.
+        sizes = [
+            sum(len(texts[f][g][r].encode()) for f, g, r in documents_of_rank[rank])
+            for rank in range(2)
+        ]
+
+        largest_row_group = max(
+            sum(len(t.encode()) for t in rg_texts) for file_texts in texts for rg_texts in file_texts  # fmt: skip
+        )
+
+        assert abs(sizes[0] - sizes[1]) <= largest_row_group
+
+    def test_create_reader_raises_error_when_ranks_outnumber_row_groups(
+        self, tmp_path: Path
+    ) -> None:
+        write_text_shards(tmp_path, [[4, 4], [3]], seed=0)
+
+        with pytest.raises(ValueError, match=r"at least as many non-empty parquet row groups as data-parallel ranks \(4\), but has 3 instead"):  # fmt: skip
+            PretrainingDataset([tmp_path]).create_reader(
+                ByteTokenizer(), fake_gangs(0, 4), max_seq_len=48, max_num_tokens=100
+            )
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    def test_reader_reads_row_groups_incrementally(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
+    ) -> None:
+        # 60 row groups of 4 documents of at least 100 bytes each, so that a
+        # row group holds more than a batch of 256 tokens.
+        texts = write_text_shards(tmp_path, [[4] * 60], seed=1, max_words=80)
+
+        assert all(
+            sum(len(t.encode()) + 1 for t in rg) >= 256 for rg in texts[0]
+        )
+
+        num_reads = 0
+
+        original = pq.ParquetFile.read_row_group
+
+        def counting_read_row_group(self: pq.ParquetFile, *args: object, **kwargs: object) -> pa.Table:  # fmt: skip
+            nonlocal num_reads
+
+            num_reads += 1
+
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting_read_row_group)
+
+        reader = PretrainingDataset([tmp_path]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=256, max_num_tokens=255, prefetch=prefetch  # fmt: skip
+        )
+
+        assert num_reads == 0
+
+        next(reader)
+
+        if prefetch == 0:
+            assert num_reads == 1
+        else:
+            # At most the batch returned, `prefetch` queued and one waiting
+            # to be queued: 4 batches, which span at most 5 row groups.
+            assert 1 <= num_reads <= 5
+
+        for _ in reader:
+            pass
+
+        assert num_reads == 60
+
+    def test_empty_texts_are_skipped_and_counted(
+        self, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        texts = ["first document", "", "   \n ", "second document"]
+
+        pq.write_table(pa.table({"text": texts}), tmp_path.joinpath("a.parquet"))
+
+        reader = PretrainingDataset([tmp_path]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False  # fmt: skip
+        )
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            batches = flatten(_read_all(reader))
+
+        assert unpack_documents(batches, BYTE_EOS) == [
+            byte_tokens("first document"),
+            byte_tokens("second document"),
+        ]
+
+        assert "Skipped 2 empty or whitespace-only document(s) in row group 0" in caplog.text  # fmt: skip
+
+    def test_null_text_raises_error_naming_file_and_row(self, tmp_path: Path) -> None:
+        file = tmp_path.joinpath("nulls.parquet")
+
+        pq.write_table(
+            pa.table({"text": ["a", "b", "c", None, "e"]}), file, row_group_size=2
+        )
+
+        reader = PretrainingDataset([file]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63, shuffle=False  # fmt: skip
+        )
+
+        with pytest.raises(ParquetTextError, match=rf"Row 3 of {file} \(row group 1\) must have a string `text`, but has None instead"):  # fmt: skip
+            next(reader)
+
+    def test_create_reader_raises_error_when_tokenizer_does_not_append_eos(
+        self, fineweb_dir: Path
+    ) -> None:
+        with pytest.raises(ValueError, match=r"must end each document with its EOS token, but appends None instead"):  # fmt: skip
+            PretrainingDataset([fineweb_dir]).create_reader(
+                ByteTokenizer(eos_in_default_mode=False), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63  # fmt: skip
+            )
+
+    @pytest.mark.parametrize(
+        "kwargs,match",
+        [
+            ({"max_num_tokens": 0}, "`max_num_tokens` must be greater than or equal to 1, but is 0 instead"),  # fmt: skip
+            ({"max_seq_len": 1}, "`max_seq_len` must be greater than or equal to 2, but is 1 instead"),  # fmt: skip
+            ({"num_accumulate": 0}, "`num_accumulate` must be greater than or equal to 1, but is 0 instead"),  # fmt: skip
+            ({"prefetch": -1}, "`prefetch` must be greater than or equal to 0, but is -1 instead"),  # fmt: skip
+        ],
+    )
+    def test_create_reader_raises_error_when_settings_are_invalid(
+        self, fineweb_dir: Path, kwargs: dict[str, int], match: str
+    ) -> None:
+        settings = {"max_seq_len": 64, "max_num_tokens": 63} | kwargs
+
+        with pytest.raises(ValueError, match=match):
+            PretrainingDataset([fineweb_dir]).create_reader(
+                ByteTokenizer(), fake_gangs(0, 1), **settings
+            )
+
+    @pytest.mark.slow
+    def test_two_processes_take_the_same_steps_and_fail_together(
+        self, tmp_path: Path
+    ) -> None:
+        # One large and one small row group: the rank of the small one runs
+        # out first, and both must stop at the same step.
+        write_text_shards(tmp_path.joinpath("uneven"), [[40], [6]], seed=5)
+
+        broken_dir = tmp_path.joinpath("broken")
+        broken_dir.mkdir()
+
+        pq.write_table(pa.table({"text": ["fine"] * 3}), broken_dir.joinpath("a.parquet"))  # fmt: skip
+        pq.write_table(pa.table({"text": ["fine", None, "x"]}), broken_dir.joinpath("b.parquet"))  # fmt: skip
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+
+            port = sock.getsockname()[1]
+
+        context = multiprocessing.get_context("spawn")
+
+        processes = [
+            context.Process(
+                target=run_two_rank_worker,
+                args=(rank, 2, port, str(tmp_path), str(tmp_path)),
+            )
+            for rank in range(2)
+        ]
+
+        for process in processes:
+            process.start()
+
+        for process in processes:
+            process.join(timeout=180)
+
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+
+                pytest.fail("A reader process hung.")
+
+            assert process.exitcode == 0
+
+        results = [
+            json.loads(tmp_path.joinpath(f"rank_{rank}.json").read_text())
+            for rank in range(2)
+        ]
+
+        steps = [result["steps"] for result in results]
+
+        assert len(steps[0]) == len(steps[1]) >= 1
+
+        # Every step has batches from this rank's row group only.
+        files_of_rank = [
+            {f for step in rank_steps for f, _, _ in step} for rank_steps in steps
+        ]
+
+        assert len(files_of_rank[0]) == len(files_of_rank[1]) == 1
+        assert files_of_rank[0] != files_of_rank[1]
+
+        # The rank of the large row group stopped before its end.
+        large_rank = 0 if files_of_rank[0] == {0} else 1
+
+        rows_read = {r for step in steps[large_rank] for _, _, r in step}
+
+        assert len(rows_read) < 40
+
+        # The rank holding shard b fails on its null text; the other one is
+        # told so instead of waiting.
+        errors = sorted(result["error"] for result in results)
+
+        assert errors[0].startswith("DataReadError: Data-parallel rank(s) [1] failed to read the dataset")  # fmt: skip
+        assert errors[1].startswith("ParquetTextError: Row 1 of")
+
+
+class TestPretrainingDatasetConfig:
+    def test_defaults_read_fineweb_edu_sample_10bt(self) -> None:
+        config = PretrainingDatasetConfig()
+
+        assert config.paths == ["hg://HuggingFaceFW/fineweb-edu"]
+        assert config.hf_allow_patterns == ["sample/10BT/*.parquet"]
+
+    def test_open_pretraining_dataset_reads_configured_paths(
+        self, fineweb_dir: Path
+    ) -> None:
+        dataset = open_pretraining_dataset(
+            PretrainingDatasetConfig(paths=[str(fineweb_dir)])
+        )
+
+        reader = dataset.create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63
+        )
+
+        assert len(next(reader)) == 1
+
+    def test_dataset_raises_error_when_paths_are_missing(self, tmp_path: Path) -> None:
+        dataset = PretrainingDataset([tmp_path.joinpath("missing")])
+
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            dataset.create_reader(
+                ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63
+            )
