@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from qwen35_fs2.datasets.parquet import ParquetTextError
 
@@ -76,7 +76,7 @@ def read_gsm8k_parquet(path: Path) -> list[Gsm8kExample]:
 
     examples = []
 
-    for idx, (question, answer) in enumerate(zip(questions, answers)):
+    for idx, (question, answer) in enumerate(zip(questions, answers, strict=True)):
         if not isinstance(question, str) or not isinstance(answer, str):
             raise ParquetTextError(
                 f"Row {idx} of {path} must have a string `question` and `answer`, but has {question!r} and {answer!r} instead."
@@ -126,7 +126,9 @@ def write_sft_jsonl(
         for example in examples:
             src = prompt_template.format(question=example.question)
 
-            fp.write(json.dumps({"src": src, "tgt": example.answer}, ensure_ascii=False))
+            fp.write(
+                json.dumps({"src": src, "tgt": example.answer}, ensure_ascii=False)
+            )
             fp.write("\n")
 
             num_lines += 1

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 from fairseq2.datasets import DataReadError
 
 HG_URI_PREFIX: Final = "hg://"
@@ -229,7 +229,7 @@ def read_parquet_texts(row_group: ParquetRowGroup, *, text_column: str = "text")
             f"Row group {row_group.index} of {file} cannot be read."
         ) from ex
 
-    texts = table.column(0).to_pylist()
+    texts: list[str] = table.column(0).to_pylist()
 
     if len(texts) != row_group.num_rows:
         raise ParquetTextError(

@@ -60,14 +60,14 @@ import threading
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Generic, TypeVar, Union, final
+from typing import Final, Generic, Self, TypeAlias, TypeVar, final
 
 import torch
 from fairseq2.data.tokenizers import TokenEncoder, Tokenizer
 from fairseq2.datasets import DataReader, DataReadError, SequenceBatch
 from fairseq2.gang import Gangs
 from fairseq2.logging import log
-from typing_extensions import Self, override
+from typing_extensions import override
 
 from qwen35_fs2.datasets.packing import DocumentPacker
 from qwen35_fs2.datasets.parquet import (
@@ -86,9 +86,7 @@ _STATE_VERSION: Final = 1
 
 @dataclass(kw_only=True)
 class PretrainingDatasetConfig:
-    paths: list[str] = field(
-        default_factory=lambda: ["hg://HuggingFaceFW/fineweb-edu"]
-    )
+    paths: list[str] = field(default_factory=lambda: ["hg://HuggingFaceFW/fineweb-edu"])
     """
     Parquet files, directories (searched recursively for ``*.parquet``) and
     ``hg://org/dataset`` Hugging Face Hub dataset repositories.
@@ -657,6 +655,6 @@ class _BackgroundIterator(Generic[T]):
 
 
 # The batches of the current epoch, with a way to abandon them.
-_BatchSource = Union[
-    Generator[_BatchAndCursor, None, None], _BackgroundIterator[_BatchAndCursor]
-]
+_BatchSource: TypeAlias = (
+    Generator[_BatchAndCursor, None, None] | _BackgroundIterator[_BatchAndCursor]
+)

@@ -20,8 +20,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Final, final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from qwen35_fs2.datasets.gsm8k import (
     Gsm8kExample,
@@ -542,7 +542,9 @@ def _sharing(rng: random.Random) -> _Problem:
         f"{friends} friends share {friends * each} {item} equally. Each friend eats {eaten} of their {item}. How many {item} does each friend have left?"
     )
 
-    share = problem.step("Each friend gets ", f"{friends * each}/{friends}", f" {item}.")
+    share = problem.step(
+        "Each friend gets ", f"{friends * each}/{friends}", f" {item}."
+    )
     problem.step("Each friend has ", f"{_format_number(share)}-{eaten}", f" {item} left.")  # fmt: skip
 
     return problem

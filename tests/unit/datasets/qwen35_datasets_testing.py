@@ -17,8 +17,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Final, final
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import torch
 from fairseq2.data.tokenizers import (
     TokenDecoder,
@@ -131,7 +131,11 @@ _WORDS: Final = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "t
 
 
 def write_text_shards(
-    out_dir: Path, row_group_sizes: Sequence[Sequence[int]], *, seed: int, max_words: int = 60
+    out_dir: Path,
+    row_group_sizes: Sequence[Sequence[int]],
+    *,
+    seed: int,
+    max_words: int = 60,
 ) -> list[list[list[str]]]:
     """Writes one parquet file per entry of ``row_group_sizes``, with row
     groups of the given numbers of rows, as ``out_dir/shard_<f>.parquet``.

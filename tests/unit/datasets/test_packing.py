@@ -15,7 +15,9 @@ def _unique_documents(lengths: list[int]) -> list[torch.Tensor]:
     return [torch.arange(d * 10_000, d * 10_000 + n) for d, n in enumerate(lengths)]
 
 
-def _pack_all(packer: DocumentPacker, documents: list[torch.Tensor]) -> list[SequenceBatch]:
+def _pack_all(
+    packer: DocumentPacker, documents: list[torch.Tensor]
+) -> list[SequenceBatch]:
     batches = []
 
     for tokens in documents:

@@ -8,11 +8,11 @@ import socket
 from collections import Counter
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import pytest
 import torch
-from fairseq2.datasets import DataReadError, SequenceBatch
+from fairseq2.datasets import SequenceBatch
 from qwen35_datasets_testing import (
     BYTE_EOS,
     ByteTokenizer,
@@ -31,8 +31,8 @@ from qwen35_fs2.datasets import (
     PretrainingDatasetConfig,
     PretrainingReader,
     open_pretraining_dataset,
+    pretraining,
 )
-from qwen35_fs2.datasets import pretraining
 from qwen35_fs2.datasets.parquet import (
     ParquetRowGroup,
     ParquetTextError,
@@ -128,7 +128,9 @@ class TestPretrainingReader:
             return Counter(tuple(d) for d in docs)
 
         assert as_counter(documents) == as_counter(in_file_order)
-        assert as_counter(unpack_documents(other, BYTE_EOS)) == as_counter(in_file_order)
+        assert as_counter(unpack_documents(other, BYTE_EOS)) == as_counter(
+            in_file_order
+        )
 
     def test_reset_starts_an_epoch_with_another_order_of_the_same_documents(
         self, shards: tuple[Path, list[list[list[str]]]]
@@ -241,11 +243,15 @@ class TestPretrainingReader:
 
         state = create(1).state_dict()
 
-        with pytest.raises(ValueError, match=r"its `seed` is 1 where the reader's is 2"):
+        with pytest.raises(
+            ValueError, match=r"its `seed` is 1 where the reader's is 2"
+        ):
             create(2).load_state_dict(state)
 
     def test_ranks_read_disjoint_row_groups_and_together_everything(
-        self, shards: tuple[Path, list[list[list[str]]]], monkeypatch: pytest.MonkeyPatch
+        self,
+        shards: tuple[Path, list[list[list[str]]]],
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         data_dir, texts = shards
 
@@ -270,7 +276,9 @@ class TestPretrainingReader:
 
             batches = flatten(_read_all(reader))
 
-            locations = [location_of(doc) for doc in unpack_documents(batches, BYTE_EOS)]
+            locations = [
+                location_of(doc) for doc in unpack_documents(batches, BYTE_EOS)
+            ]
 
             row_groups_of_rank.append({(f, g) for f, g, _ in locations})
 
@@ -294,7 +302,9 @@ class TestPretrainingReader:
         # Whole row groups: a rank reads every row of the row groups it reads.
         for rank in range(2):
             for f, g in row_groups_of_rank[rank]:
-                rows = {r for f2, g2, r in documents_of_rank[rank] if (f2, g2) == (f, g)}
+                rows = {
+                    r for f2, g2, r in documents_of_rank[rank] if (f2, g2) == (f, g)
+                }
 
                 assert rows == set(range(len(texts[f][g])))
 
@@ -328,9 +338,7 @@ class TestPretrainingReader:
         # row group holds more than a batch of 256 tokens.
         texts = write_text_shards(tmp_path, [[4] * 60], seed=1, max_words=80)
 
-        assert all(
-            sum(len(t.encode()) + 1 for t in rg) >= 256 for rg in texts[0]
-        )
+        assert all(sum(len(t.encode()) + 1 for t in rg) >= 256 for rg in texts[0])
 
         num_reads = 0
 
@@ -424,7 +432,7 @@ class TestPretrainingReader:
 
         with pytest.raises(ValueError, match=match):
             PretrainingDataset([fineweb_dir]).create_reader(
-                ByteTokenizer(), fake_gangs(0, 1), **settings
+                ByteTokenizer(), fake_gangs(0, 1), **settings  # type: ignore[arg-type]
             )
 
     @pytest.mark.slow
@@ -500,6 +508,37 @@ class TestPretrainingReader:
 
         assert errors[0].startswith("DataReadError: Data-parallel rank(s) [1] failed to read the dataset")  # fmt: skip
         assert errors[1].startswith("ParquetTextError: Row 1 of")
+
+    @pytest.mark.slow
+    def test_reader_ends_qwen35_documents_with_endoftext(self, fineweb_dir: Path) -> None:  # fmt: skip
+        from qwen35_fs2.models.tokenizer import (
+            Qwen35TokenizerConfig,
+            get_qwen35_tokenizer_dir,
+            load_qwen35_tokenizer,
+        )
+
+        tokenizer = load_qwen35_tokenizer(
+            get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(eos_token="<|endoftext|>")
+        )
+
+        # The id of `<|endoftext|>` in the released Qwen3.5 vocabulary.
+        endoftext = 248044
+
+        reader = PretrainingDataset([fineweb_dir]).create_reader(
+            tokenizer, fake_gangs(0, 1), max_seq_len=512, max_num_tokens=2047, shuffle=False, drop_remainder=False  # fmt: skip
+        )
+
+        batches = flatten(_read_all(reader))
+
+        assert all(batch.seqs.dtype == torch.int64 for batch in batches)
+
+        documents = unpack_documents(batches, endoftext)
+
+        decoder = tokenizer.create_decoder()
+
+        files = sorted(fineweb_dir.rglob("*.parquet"))
+
+        assert [decoder(torch.tensor(d[:-1])) for d in documents] == _file_order_texts(files)  # fmt: skip
 
 
 class TestPretrainingDatasetConfig:
