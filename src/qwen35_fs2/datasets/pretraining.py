@@ -57,6 +57,7 @@ import heapq
 import queue
 import random
 import threading
+import weakref
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,6 +246,17 @@ class _Cursor:
     token: int
 
 
+@final
+@dataclass(frozen=True)
+class _Unit:
+    """A row group as one rank reads it in one epoch."""
+
+    row_group: ParquetRowGroup
+
+    row_seed: int | None
+    """The seed of the order of the rows, or ``None`` for file order."""
+
+
 _BatchAndCursor = tuple[SequenceBatch, _Cursor]
 
 
@@ -336,6 +348,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._cursor = _Cursor(0, 0, 0)
         self._eod = False
         self._source: _BatchSource | None = None
+        self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
 
     @override
     def __iter__(self) -> Self:
@@ -373,6 +386,9 @@ class PretrainingReader(DataReader[SequenceBatch]):
         num_batches = self._sync(len(batches), error)
 
         if num_batches == 0:
+            if self._cursor == _Cursor(0, 0, 0):
+                raise DataReadError(self._empty_epoch_message())
+
             self._eod = True
 
             raise StopIteration()
@@ -380,6 +396,14 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._cursor = cursors[num_batches - 1]
 
         return batches[:num_batches]
+
+    def _empty_epoch_message(self) -> str:
+        message = f"Epoch {self._epoch} must have at least one batch on every data-parallel rank, but has none on at least one of the {self._gangs.dp.size} rank(s): the dataset is too small for batches of {self._batch_width} tokens."  # fmt: skip
+
+        if self._drop_remainder:
+            message += " Use smaller batches, fewer ranks, or `drop_remainder=False` to keep the last, partial batch of each epoch."  # fmt: skip
+
+        return message
 
     def _sync(self, num_batches: int, error: Exception | None) -> int:
         gang = self._gangs.dp
@@ -412,54 +436,6 @@ class PretrainingReader(DataReader[SequenceBatch]):
         return min(int(t[0]) for t in gathered)
 
     def _open_source(self) -> _BatchSource:
-        plan = self._plan_epoch(self._epoch)
-
-        batches = self._produce(self._epoch, plan, self._cursor)
-
-        if self._prefetch == 0:
-            return batches
-
-        return _BackgroundIterator(batches, self._prefetch)
-
-    def _plan_epoch(self, epoch: int) -> list[int]:
-        """Returns the indices of this rank's row groups for ``epoch``, in
-        reading order."""
-        order = list(range(len(self._row_groups)))
-
-        if self._shuffle:
-            _rng(self._seed, epoch).shuffle(order)
-
-        # Greedy balancing by text bytes; ties go to the lowest rank, so the
-        # first row groups go to distinct ranks.
-        loads = [(0, rank) for rank in range(self._gangs.dp.size)]
-
-        plan: list[int] = []
-
-        for rg_idx in order:
-            load, rank = heapq.heappop(loads)
-
-            if rank == self._gangs.dp.rank:
-                plan.append(rg_idx)
-
-            num_bytes = max(self._row_groups[rg_idx].num_bytes, 1)
-
-            heapq.heappush(loads, (load + num_bytes, rank))
-
-        return plan
-
-    def _row_order(self, epoch: int, rg_idx: int, num_rows: int) -> list[int]:
-        order = list(range(num_rows))
-
-        if self._shuffle:
-            _rng(self._seed, epoch, rg_idx).shuffle(order)
-
-        return order
-
-    def _produce(
-        self, epoch: int, plan: list[int], start: _Cursor
-    ) -> Generator[_BatchAndCursor, None, None]:
-        """Yields the batches of ``epoch`` from ``start`` on, each with the
-        cursor of the batch after it."""
         packer = DocumentPacker(
             self._batch_width,
             self._max_seq_len,
@@ -467,53 +443,63 @@ class PretrainingReader(DataReader[SequenceBatch]):
             pin_memory=self._pin_memory,
         )
 
-        for unit in range(start.unit, len(plan)):
-            row_group = self._row_groups[plan[unit]]
+        batches = _produce_batches(
+            self._plan_epoch(self._epoch),
+            self._cursor,
+            self._encoder,
+            packer,
+            text_column=self._text_column,
+            drop_remainder=self._drop_remainder,
+        )
 
-            texts = read_parquet_texts(row_group, text_column=self._text_column)
+        source: _BatchSource
 
-            order = self._row_order(epoch, plan[unit], len(texts))
+        if self._prefetch == 0:
+            source = batches
+        else:
+            source = _BackgroundIterator(batches, self._prefetch)
 
-            num_skipped = 0
+        # Stops the background thread if the reader is dropped mid-epoch; the
+        # producer holds no reference to the reader.
+        self._source_finalizer = weakref.finalize(self, source.close)
 
-            for row in range(start.row if unit == start.unit else 0, len(order)):
-                text = texts[order[row]]
+        return source
 
-                if not text.strip():
-                    num_skipped += 1
+    def _plan_epoch(self, epoch: int) -> list[_Unit]:
+        """Returns this rank's row groups for ``epoch``, in reading order."""
+        order = list(range(len(self._row_groups)))
 
-                    continue
+        if self._shuffle:
+            random.Random(_seed_of(self._seed, epoch)).shuffle(order)
 
-                tokens = self._encoder(text)
+        # Greedy balancing by text bytes; ties go to the lowest rank, so the
+        # first row groups go to distinct ranks.
+        loads = [(0, rank) for rank in range(self._gangs.dp.size)]
 
-                offset: int | None = 0
-                if unit == start.unit and row == start.row:
-                    offset = start.token
+        plan: list[_Unit] = []
 
-                while offset is not None:
-                    offset = packer.append(tokens, offset)
+        for rg_idx in order:
+            load, rank = heapq.heappop(loads)
 
-                    if packer.is_full:
-                        if offset is not None:
-                            cursor = _Cursor(unit, row, offset)
-                        elif row + 1 < len(order):
-                            cursor = _Cursor(unit, row + 1, 0)
-                        else:
-                            cursor = _Cursor(unit + 1, 0, 0)
+            if rank == self._gangs.dp.rank:
+                row_seed = (
+                    _seed_of(self._seed, epoch, rg_idx) if self._shuffle else None
+                )
 
-                        yield packer.take(), cursor
+                plan.append(_Unit(self._row_groups[rg_idx], row_seed))
 
-            if num_skipped > 0:
-                log.warning("Skipped {} empty or whitespace-only document(s) in row group {} of {}.", num_skipped, row_group.index, row_group.file)  # fmt: skip
+            num_bytes = max(self._row_groups[rg_idx].num_bytes, 1)
 
-        if not self._drop_remainder and not packer.is_empty:
-            yield packer.take(), _Cursor(len(plan), 0, 0)
+            heapq.heappush(loads, (load + num_bytes, rank))
+
+        return plan
 
     def _close_source(self) -> None:
-        if self._source is not None:
-            self._source.close()
+        if self._source_finalizer is not None:
+            self._source_finalizer()
 
-            self._source = None
+        self._source = None
+        self._source_finalizer = None
 
     @override
     def reset(self) -> None:
@@ -577,12 +563,69 @@ class PretrainingReader(DataReader[SequenceBatch]):
         return self._epoch
 
 
-def _rng(*keys: int) -> random.Random:
-    """Returns a generator seeded by ``keys``, the same in every process
-    (unlike one seeded with ``hash``)."""
-    seed = hashlib.sha256(repr(keys).encode()).digest()[:8]
+def _seed_of(*keys: int) -> int:
+    """Returns a seed derived from ``keys``, the same in every process (unlike
+    one derived with ``hash``)."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
 
-    return random.Random(int.from_bytes(seed, "little"))
+    return int.from_bytes(digest[:8], "little")
+
+
+def _produce_batches(
+    plan: Sequence[_Unit],
+    start: _Cursor,
+    encoder: TokenEncoder,
+    packer: DocumentPacker,
+    *,
+    text_column: str,
+    drop_remainder: bool,
+) -> Generator[_BatchAndCursor, None, None]:
+    """Yields the batches of an epoch from ``start`` on, each with the cursor
+    of the batch after it."""
+    for unit_idx in range(start.unit, len(plan)):
+        unit = plan[unit_idx]
+
+        texts = read_parquet_texts(unit.row_group, text_column=text_column)
+
+        order = list(range(len(texts)))
+
+        if unit.row_seed is not None:
+            random.Random(unit.row_seed).shuffle(order)
+
+        num_skipped = 0
+
+        for row in range(start.row if unit_idx == start.unit else 0, len(order)):
+            text = texts[order[row]]
+
+            if not text.strip():
+                num_skipped += 1
+
+                continue
+
+            tokens = encoder(text)
+
+            offset: int | None = 0
+            if unit_idx == start.unit and row == start.row:
+                offset = start.token
+
+            while offset is not None:
+                offset = packer.append(tokens, offset)
+
+                if packer.is_full:
+                    if offset is not None:
+                        cursor = _Cursor(unit_idx, row, offset)
+                    elif row + 1 < len(order):
+                        cursor = _Cursor(unit_idx, row + 1, 0)
+                    else:
+                        cursor = _Cursor(unit_idx + 1, 0, 0)
+
+                    yield packer.take(), cursor
+
+        if num_skipped > 0:
+            log.warning("Skipped {} empty or whitespace-only document(s) in row group {} of {}.", num_skipped, unit.row_group.index, unit.row_group.file)  # fmt: skip
+
+    if not drop_remainder and not packer.is_empty:
+        yield packer.take(), _Cursor(len(plan), 0, 0)
 
 
 T = TypeVar("T")

@@ -1,18 +1,22 @@
 from __future__ import annotations
 
+import gc
 import io
 import json
 import logging
 import multiprocessing
 import socket
+import threading
 from collections import Counter
 from pathlib import Path
 
+import huggingface_hub
 import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import pytest
 import torch
-from fairseq2.datasets import SequenceBatch
+from fairseq2.datasets import DataReadError, SequenceBatch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from qwen35_datasets_testing import (
     BYTE_EOS,
     ByteTokenizer,
@@ -373,6 +377,42 @@ class TestPretrainingReader:
 
         assert num_reads == 60
 
+    def test_epoch_without_a_batch_raises_error(self, tmp_path: Path) -> None:
+        write_text_shards(tmp_path, [[2], [2]], seed=0, max_words=3)
+
+        reader = PretrainingDataset([tmp_path]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=512, max_num_tokens=511
+        )
+
+        with pytest.raises(DataReadError, match=r"Epoch 0 must have at least one batch on every data-parallel rank, but has none .* Use smaller batches, fewer ranks, or `drop_remainder=False`"):  # fmt: skip
+            next(reader)
+
+    def test_dropping_a_reader_mid_epoch_stops_its_thread(
+        self, shards: tuple[Path, list[list[list[str]]]]
+    ) -> None:
+        data_dir, _ = shards
+
+        def reader_threads() -> list[threading.Thread]:
+            return [t for t in threading.enumerate() if t.name == "qwen35-data-reader"]
+
+        before = reader_threads()
+
+        reader = PretrainingDataset([data_dir]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=48, max_num_tokens=100, prefetch=2  # fmt: skip
+        )
+
+        next(reader)
+
+        (thread,) = [t for t in reader_threads() if t not in before]
+
+        del reader
+
+        gc.collect()
+
+        thread.join(timeout=10)
+
+        assert not thread.is_alive()
+
     def test_empty_texts_are_skipped_and_counted(
         self, tmp_path: Path, caplog: pytest.LogCaptureFixture
     ) -> None:
@@ -539,6 +579,98 @@ class TestPretrainingReader:
         files = sorted(fineweb_dir.rglob("*.parquet"))
 
         assert [decoder(torch.tensor(d[:-1])) for d in documents] == _file_order_texts(files)  # fmt: skip
+
+
+class TestHubDownloadAcrossRanks:
+    """``hg://`` sources: rank 0 downloads, then the others read the cache."""
+
+    @pytest.fixture
+    def snapshot(self, tmp_path: Path) -> Path:
+        snapshot = tmp_path.joinpath("snapshot")
+
+        snapshot.joinpath("data").mkdir(parents=True)
+
+        table = pa.table({"text": ["one", "two", "three", "four"]})
+
+        pq.write_table(table, snapshot.joinpath("data", "a.parquet"), row_group_size=2)
+
+        return snapshot
+
+    def _create_reader(
+        self, rank: int, monkeypatch: pytest.MonkeyPatch, rank0_outcome: str | None
+    ) -> PretrainingReader:
+        gangs = fake_gangs(rank, 2)
+
+        # What rank 0 broadcasts, as a real gang would deliver it.
+        def broadcast_objects(objects: list[object], source_rank: int = 0) -> None:
+            objects[0] = rank0_outcome
+
+        monkeypatch.setattr(gangs.root, "broadcast_objects", broadcast_objects)
+
+        dataset = PretrainingDataset(["hg://org/data"], hf_allow_patterns=["data/*.parquet"])  # fmt: skip
+
+        return dataset.create_reader(
+            ByteTokenizer(), gangs, max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False  # fmt: skip
+        )
+
+    def test_rank_0_downloads_and_other_ranks_read_the_cache(
+        self, snapshot: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        local_files_only: list[object] = []
+
+        def snapshot_download(repo_id: str, **kwargs: object) -> str:
+            local_files_only.append(kwargs["local_files_only"])
+
+            return str(snapshot)
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+        texts_of_rank = []
+
+        for rank in range(2):
+            local_files_only.clear()
+
+            reader = self._create_reader(rank, monkeypatch, rank0_outcome=None)
+
+            assert local_files_only == [rank != 0]
+
+            batches = flatten(_read_all(reader))
+
+            texts_of_rank.append(
+                [bytes(d[:-1]).decode() for d in unpack_documents(batches, BYTE_EOS)]
+            )
+
+        assert texts_of_rank == [["one", "two"], ["three", "four"]]
+
+    def test_other_ranks_download_when_the_cache_is_not_shared(
+        self, snapshot: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        local_files_only: list[object] = []
+
+        def snapshot_download(repo_id: str, **kwargs: object) -> str:
+            local_files_only.append(kwargs["local_files_only"])
+
+            if kwargs["local_files_only"]:
+                raise LocalEntryNotFoundError("Not in the local cache.")
+
+            return str(snapshot)
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+        self._create_reader(1, monkeypatch, rank0_outcome=None)
+
+        assert local_files_only == [True, False]
+
+    def test_other_ranks_fail_when_rank_0_fails_to_download(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        def snapshot_download(repo_id: str, **kwargs: object) -> str:
+            raise AssertionError("Rank 1 must not download after rank 0 failed.")
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+        with pytest.raises(DataReadError, match="Rank 0 failed to download the dataset: OSError: offline"):  # fmt: skip
+            self._create_reader(1, monkeypatch, rank0_outcome="OSError: offline")
 
 
 class TestPretrainingDatasetConfig:
