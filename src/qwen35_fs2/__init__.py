@@ -8,5 +8,7 @@ entry point (:func:`qwen35_fs2.extension.register_qwen35`).
 from __future__ import annotations
 
 from qwen35_fs2.models import Qwen35Config as Qwen35Config
+from qwen35_fs2.models import Qwen35MoeConfig as Qwen35MoeConfig
 from qwen35_fs2.models import load_hf_model as load_hf_model
+from qwen35_fs2.models import save_hf_model as save_hf_model
 from qwen35_fs2.models import qwen35_config_from_hf as qwen35_config_from_hf

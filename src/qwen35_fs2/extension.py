@@ -24,6 +24,13 @@ from qwen35_fs2.models.config import (
 )
 from qwen35_fs2.models.factory import create_qwen35_model
 from qwen35_fs2.models.interop import convert_qwen35_state_dict
+from qwen35_fs2.models.moe_config import (
+    QWEN35_MOE_FAMILY,
+    Qwen35MoeConfig,
+    register_qwen35_moe_configs,
+)
+from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
+from qwen35_fs2.models.moe_interop import convert_qwen35_moe_state_dict
 from qwen35_fs2.models.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
@@ -46,6 +53,22 @@ def register_qwen35(container: DependencyContainer) -> None:
     )
 
     register_qwen35_configs(container)
+
+    # FSDP2 shards the stacked expert weights along their first dimension, so
+    # each rank holds whole experts; the dense appliers need nothing more.
+    register_model_family(
+        container,
+        QWEN35_MOE_FAMILY,
+        kls=TransformerLM,
+        config_kls=Qwen35MoeConfig,
+        factory=create_qwen35_moe_model,
+        state_dict_converter=convert_qwen35_moe_state_dict,
+        compiler=compile_transformer_lm,
+        fsdp_applier=apply_fsdp_to_transformer_lm,
+        layerwise_ac_applier=apply_ac_to_transformer_lm,
+    )
+
+    register_qwen35_moe_configs(container)
 
     register_tokenizer_family(
         container,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from fairseq2.runtime.config_registry import ConfigRegistrar
 from fairseq2.runtime.dependency import DependencyContainer
@@ -323,6 +323,10 @@ def tiny_qwen35_config() -> Qwen35Config:
 
 _SUPPORTED_TEXT_MODEL_TYPES: Final = ("qwen3_5_text",)
 
+MOE_MODEL_TYPES: Final = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+"""The Hugging Face model types that :func:`qwen35_config_from_hf` reads as
+a :class:`~qwen35_fs2.models.moe_config.Qwen35MoeConfig`."""
+
 
 def get_text_config(hg_config: Mapping[str, object]) -> Mapping[str, object]:
     """Returns the language-model part of a Hugging Face Qwen3.5 config.
@@ -350,17 +354,24 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
     a nested ``text_config``) and the text-only layout
     (``model_type: qwen3_5_text``). Settings this package does not implement
     (biases, another activation, RoPE scaling) raise a :class:`ValueError`.
+
+    MoE configurations (:data:`MOE_MODEL_TYPES`) give a
+    :class:`~qwen35_fs2.models.moe_config.Qwen35MoeConfig`.
     """
     model_type = hg_config.get("model_type")
 
+    if model_type in MOE_MODEL_TYPES:
+        # Imported here: the MoE configuration builds on this module.
+        from qwen35_fs2.models.moe_config import qwen35_moe_config_from_hf
+
+        return qwen35_moe_config_from_hf(hg_config)
+
     if model_type not in ("qwen3_5", "qwen3_5_text"):
         raise ValueError(
-            f"The Hugging Face configuration must have `model_type` 'qwen3_5' or 'qwen3_5_text', but has '{model_type}' instead."
+            f"The Hugging Face configuration must have `model_type` 'qwen3_5' or 'qwen3_5_text', but has '{model_type}' instead. The MoE model types {MOE_MODEL_TYPES} are read too."
         )
 
     text = get_text_config(hg_config)
-
-    reader = _HgConfigReader(text)
 
     text_model_type = text.get("model_type", "qwen3_5_text")
 
@@ -368,6 +379,26 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
         raise ValueError(
             f"`text_config.model_type` must be one of {_SUPPORTED_TEXT_MODEL_TYPES}, but is '{text_model_type}' instead."
         )
+
+    reader = _HgConfigReader(text)
+
+    config = Qwen35Config(
+        **read_hf_text_fields(hg_config, text),
+        ffn_inner_dim=reader.get_int("intermediate_size"),
+    )
+
+    check_config(config)
+
+    return config
+
+
+def read_hf_text_fields(
+    hg_config: Mapping[str, object], text: Mapping[str, object]
+) -> dict[str, Any]:
+    """Reads the :class:`Qwen35Config` fields that the dense and the MoE
+    families share (all but ``ffn_inner_dim``) from a Hugging Face config and
+    its language-model part ``text``."""
+    reader = _HgConfigReader(text)
 
     reader.require_value("hidden_act", "silu", default="silu")
     reader.require_value("attention_bias", False, default=False)
@@ -407,7 +438,7 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
     model_dim = reader.get_int("hidden_size")
     num_attn_heads = reader.get_int("num_attention_heads")
 
-    config = Qwen35Config(
+    return dict(
         model_dim=model_dim,
         max_seq_len=reader.get_int("max_position_embeddings"),
         vocab_size=vocab_size,
@@ -425,14 +456,9 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
         linear_key_head_dim=reader.get_int("linear_key_head_dim"),
         linear_value_head_dim=reader.get_int("linear_value_head_dim"),
         linear_conv_kernel_size=reader.get_int("linear_conv_kernel_dim"),
-        ffn_inner_dim=reader.get_int("intermediate_size"),
         rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
         init_std=reader.get_float("initializer_range", default=0.02),
     )
-
-    check_config(config)
-
-    return config
 
 
 def _read_rope_parameters(text: Mapping[str, object]) -> tuple[float, float]:

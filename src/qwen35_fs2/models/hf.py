@@ -12,6 +12,8 @@ from fairseq2.models.transformer_lm import TransformerLM
 
 from qwen35_fs2.models.config import qwen35_config_from_hf
 from qwen35_fs2.models.hub import get_qwen35_model_hub
+from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+from qwen35_fs2.models.moe_hub import get_qwen35_moe_model_hub
 
 
 def load_hf_config(path: Path) -> dict[str, object]:
@@ -44,7 +46,8 @@ def load_hf_model(
 ) -> TransformerLM:
     """Loads a Hugging Face Qwen3.5 directory (``config.json`` and
     safetensors, released or text-only layout) through fairseq2's checkpoint
-    loader.
+    loader. Qwen3.5-MoE and Qwen3-Next directories load as the ``qwen35_moe``
+    family.
 
     :param device: The device of the model; the default device if ``None``.
     :param dtype: The dtype of the parameters; the default dtype if ``None``.
@@ -53,10 +56,15 @@ def load_hf_model(
 
     config = qwen35_config_from_hf(load_hf_config(path))
 
-    hub = get_qwen35_model_hub()
-
     try:
-        return hub.load_custom_model(path, config, device=device, dtype=dtype)
+        if isinstance(config, Qwen35MoeConfig):
+            return get_qwen35_moe_model_hub().load_custom_model(
+                path, config, device=device, dtype=dtype
+            )
+
+        return get_qwen35_model_hub().load_custom_model(
+            path, config, device=device, dtype=dtype
+        )
     except CorruptModelCheckpointError as ex:
         # fairseq2 keeps the details (which keys, which shapes) in the cause.
         cause = f" {ex.__cause__}" if ex.__cause__ is not None else ""

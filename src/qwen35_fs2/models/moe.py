@@ -1,0 +1,612 @@
+"""The sparse Mixture-of-Experts block of Qwen3.5-MoE (and Qwen3-Next), and
+the load-balancing statistics that training adds to the loss."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, final
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn import Module, Parameter
+from typing_extensions import override
+
+from fairseq2.data_type import DataType
+from fairseq2.device import Device
+from fairseq2.error import NotSupportedError
+from fairseq2.gang import Gangs, get_current_gangs
+from fairseq2.models.transformer import FeedForwardNetwork
+from fairseq2.nn import BatchLayout
+
+ExpertDispatch = Literal["auto", "grouped_mm", "loop"]
+"""
+How :class:`RoutedExperts` runs the experts on their tokens: ``grouped_mm``
+(one ``torch._grouped_mm`` per projection; CUDA compute capability 9.0 or
+newer, bf16), ``loop`` (one GEMM per expert with tokens; runs anywhere), or
+``auto`` (``grouped_mm`` where supported, otherwise ``loop``).
+"""
+
+ParameterInitializer = Callable[[Parameter], None]
+
+
+@final
+class TopKRouter(Module):
+    """Routes each token to its ``top_k`` most probable experts.
+
+    ``softmax(x Wᵀ)`` over all experts, the ``top_k`` largest probabilities,
+    renormalised to sum to 1 (``normalize_top_k``; Qwen3.5 always does,
+    Qwen3-Next configs choose). The logits and the softmax are computed in
+    fp32 with autocast disabled, so mixed precision never perturbs which
+    experts a token goes to.
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        normalize_top_k: bool = True,
+        init_fn: ParameterInitializer | None = None,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        super().__init__()
+
+        if num_experts < 1:
+            raise ValueError(
+                f"`num_experts` must be greater than or equal to 1, but is {num_experts} instead."
+            )
+
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(
+                f"`top_k` must be between 1 and `num_experts` ({num_experts}), but is {top_k} instead."
+            )
+
+        self.model_dim = model_dim
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.normalize_top_k = normalize_top_k
+        self.init_fn = init_fn
+
+        self.weight = Parameter(
+            torch.empty((num_experts, model_dim), device=device, dtype=dtype)
+        )
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.init_fn is not None:
+            self.init_fn(self.weight)
+        else:
+            _init_uniform(self.weight, fan_in=self.model_dim)
+
+    def forward(self, seqs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """
+        :param seqs: *Shape:* :math:`(T,M)`.
+
+        :returns:
+            - The router probabilities of every expert. *Shape:* :math:`(T,E)`,
+              fp32.
+            - The weights of the selected experts. *Shape:* :math:`(T,K)`, fp32.
+            - The indices of the selected experts, by decreasing probability.
+              *Shape:* :math:`(T,K)`.
+        """
+        with torch.autocast(seqs.device.type, enabled=False):
+            logits = F.linear(seqs.float(), self.weight.float())
+
+        probs = logits.softmax(dim=-1)
+
+        top_weights, top_indices = probs.topk(self.top_k, dim=-1)
+
+        if self.normalize_top_k:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+
+        return probs, top_weights, top_indices
+
+    @override
+    def extra_repr(self) -> str:
+        return (
+            f"model_dim={self.model_dim}, "
+            f"num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, "
+            f"normalize_top_k={self.normalize_top_k}"
+        )
+
+
+@final
+class RoutedExperts(Module):
+    """``E`` SwiGLU experts whose weights are stacked along a leading expert
+    dimension, in the layout of the released checkpoints:
+
+    - ``gate_inner_proj`` :math:`(E, 2I, M)`: the gate projection (rows
+      ``[0, I)``) and the inner ("up") projection (rows ``[I, 2I)``);
+    - ``output_proj`` :math:`(E, M, I)`: the output ("down") projection.
+
+    FSDP2 shards parameters along dimension 0, so each rank holds whole
+    experts. :meth:`forward` runs each expert only on the tokens routed to it.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        model_dim: int,
+        inner_dim: int,
+        *,
+        dispatch: ExpertDispatch = "auto",
+        init_fn: ParameterInitializer | None = None,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        super().__init__()
+
+        if dispatch not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(
+                f"`dispatch` must be 'auto', 'grouped_mm', or 'loop', but is '{dispatch}' instead."
+            )
+
+        self.num_experts = num_experts
+        self.model_dim = model_dim
+        self.inner_dim = inner_dim
+        self.dispatch = dispatch
+        self.init_fn = init_fn
+
+        self.gate_inner_proj = Parameter(
+            torch.empty((num_experts, 2 * inner_dim, model_dim), device=device, dtype=dtype)
+        )
+
+        self.output_proj = Parameter(
+            torch.empty((num_experts, model_dim, inner_dim), device=device, dtype=dtype)
+        )
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.init_fn is not None:
+            self.init_fn(self.gate_inner_proj)
+            self.init_fn(self.output_proj)
+        else:
+            _init_uniform(self.gate_inner_proj, fan_in=self.model_dim)
+            _init_uniform(self.output_proj, fan_in=self.inner_dim)
+
+    def forward(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """
+        :param seqs: The tokens sorted by expert: the first
+            ``tokens_per_expert[0]`` rows go to expert 0, and so on.
+            *Shape:* :math:`(T_r,M)`.
+        :param tokens_per_expert: *Shape:* :math:`(E,)`, summing to
+            :math:`T_r`.
+
+        :returns: *Shape:* Same as ``seqs``.
+        """
+        if self.resolve_dispatch(seqs) == "grouped_mm":
+            return self._forward_grouped_mm(seqs, tokens_per_expert)
+
+        return self._forward_loop(seqs, tokens_per_expert)
+
+    def resolve_dispatch(self, seqs: Tensor) -> Literal["grouped_mm", "loop"]:
+        """Returns the path :meth:`forward` takes for ``seqs``.
+
+        :raises NotSupportedError: if ``grouped_mm`` is requested but cannot
+            run on ``seqs``.
+        """
+        if self.dispatch == "loop":
+            return "loop"
+
+        reason = self._grouped_mm_unsupported_reason(seqs)
+
+        if reason is None:
+            return "grouped_mm"
+
+        if self.dispatch == "grouped_mm":
+            raise NotSupportedError(
+                f"The `grouped_mm` expert dispatch cannot run here: {reason} Use `loop` or `auto` instead."
+            )
+
+        return "loop"
+
+    def _grouped_mm_unsupported_reason(self, seqs: Tensor) -> str | None:
+        if not hasattr(torch, "_grouped_mm"):
+            return f"PyTorch {torch.__version__} has no `torch._grouped_mm`."
+
+        # PyTorch 2.9 runs the forward pass of `_grouped_mm` on CPU, but not
+        # its backward pass.
+        if seqs.device.type != "cuda":
+            return f"it needs a CUDA device, but the tokens are on {seqs.device}."
+
+        if torch.cuda.get_device_capability(seqs.device) < (9, 0):
+            return "it needs a GPU of compute capability 9.0 (Hopper) or newer."
+
+        if _compute_dtype(seqs) != torch.bfloat16:
+            return f"it needs bf16 tokens, but they are {_compute_dtype(seqs)}."
+
+        # Rows of both operands must be 16-byte aligned.
+        if self.model_dim % 8 != 0 or self.inner_dim % 8 != 0:
+            return f"it needs `model_dim` ({self.model_dim}) and the expert inner dimension ({self.inner_dim}) to be multiples of 8."
+
+        return None
+
+    def _forward_grouped_mm(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        dtype = _compute_dtype(seqs)
+
+        # Group ends; stays on the device, so no host synchronization.
+        offsets = tokens_per_expert.cumsum(0, dtype=torch.int32)
+
+        gate_inner_proj = self.gate_inner_proj.to(dtype).transpose(-2, -1)
+        output_proj = self.output_proj.to(dtype).transpose(-2, -1)
+
+        # (T_r, M) @ (E, M, 2I) -> (T_r, 2I)
+        gate_inner = torch._grouped_mm(seqs.to(dtype), gate_inner_proj, offs=offsets)
+
+        gate, inner = gate_inner.chunk(2, dim=-1)
+
+        # (T_r, I) @ (E, I, M) -> (T_r, M)
+        return torch._grouped_mm(F.silu(gate) * inner, output_proj, offs=offsets)
+
+    def _forward_loop(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        # `unbind` and `split` rather than indexing: their backward passes
+        # stack and concatenate the gradients instead of accumulating a
+        # zero-filled full-size gradient per expert.
+        gate_inner_projs = self.gate_inner_proj.unbind(0)
+        output_projs = self.output_proj.unbind(0)
+
+        outputs = []
+
+        for expert_idx, expert_seqs in enumerate(seqs.split(tokens_per_expert.tolist())):
+            if expert_seqs.size(0) == 0:
+                continue
+
+            gate, inner = F.linear(expert_seqs, gate_inner_projs[expert_idx]).chunk(2, dim=-1)
+
+            outputs.append(F.linear(F.silu(gate) * inner, output_projs[expert_idx]))
+
+        if not outputs:
+            return seqs.new_empty(seqs.shape)
+
+        return torch.cat(outputs)
+
+    @override
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, "
+            f"model_dim={self.model_dim}, "
+            f"inner_dim={self.inner_dim}, "
+            f"dispatch={self.dispatch}"
+        )
+
+
+@final
+@dataclass(frozen=True)
+class MoeRoutingStatistics:
+    """What one forward pass of a :class:`Qwen35MoeBlock` routed, counting only
+    real (non-pad) tokens."""
+
+    tokens_per_expert: Tensor
+    """(token, slot) assignments to each expert. *Shape:* :math:`(E,)`, fp32."""
+
+    router_prob_sums: Tensor
+    """
+    The summed router probability of each expert; differentiable, so the
+    load-balancing loss trains the router. *Shape:* :math:`(E,)`, fp32.
+    """
+
+    num_tokens: Tensor
+    """The number of real tokens. *Shape:* :math:`()`, fp32."""
+
+    top_k: int
+    """The number of experts each token went to."""
+
+
+@final
+class Qwen35MoeBlock(FeedForwardNetwork):
+    """The sparse MoE feed-forward block of Qwen3.5-MoE::
+
+        y = Σ_k w_k · expert_{e_k}(x)  +  sigmoid(shared_expert_gate(x)) · shared_expert(x)
+
+    where :class:`TopKRouter` picks ``e_1..e_K`` and their weights ``w``.
+
+    Tokens are dispatched by sorting their (token, slot) pairs by expert, so
+    each expert computes only the tokens routed to it (never all experts on
+    all tokens). Every forward pass outside activation-checkpoint
+    recomputation records a :class:`MoeRoutingStatistics`, from which
+    :func:`collect_moe_statistics` forms the load-balancing loss.
+
+    Differences from fairseq2's Llama 4 ``MoE``: softmax (not sigmoid)
+    routing with renormalised top-k weights applied to the expert outputs
+    (not the inputs), sparse dispatch, and a sigmoid-gated shared expert.
+    """
+
+    def __init__(
+        self,
+        router: TopKRouter,
+        experts: RoutedExperts,
+        shared_expert: FeedForwardNetwork,
+        shared_expert_gate: Module,
+        *,
+        gangs: Gangs | None = None,
+        device: Device | None = None,
+    ) -> None:
+        super().__init__()
+
+        if router.num_experts != experts.num_experts:
+            raise ValueError(
+                f"`router.num_experts` and `experts.num_experts` must be equal, but are {router.num_experts} and {experts.num_experts} instead."
+            )
+
+        if gangs is None:
+            gangs = get_current_gangs(device)
+
+        if gangs.tp.size > 1:
+            raise NotSupportedError(
+                "`Qwen35MoeBlock` does not support tensor parallelism yet."
+            )
+
+        self.router = router
+        self.experts = experts
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = shared_expert_gate
+
+        self._batch_layout: BatchLayout | None = None
+        self._statistics: MoeRoutingStatistics | None = None
+
+    @override
+    def forward(self, seqs: Tensor) -> Tensor:
+        """
+        :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
+
+        :returns: *Shape:* Same as ``seqs``.
+        """
+        token_mask = self._take_token_mask(seqs)
+
+        # (N, S, M) -> (T, M)
+        x = seqs.reshape(-1, seqs.size(-1))
+
+        num_tokens = x.size(0)
+
+        top_k = self.router.top_k
+
+        probs, top_weights, top_indices = self.router(x)
+
+        # Sort the (token, slot) pairs by expert; the stable sort keeps tokens
+        # in order within each expert.
+        # (T, K) -> (T x K)
+        slot_experts = top_indices.flatten()
+
+        sorted_slots = slot_experts.argsort(stable=True)
+
+        tokens_per_expert = torch.bincount(slot_experts, minlength=self.experts.num_experts)
+
+        # (T x K, M), sorted by expert
+        expert_outputs = self.experts(x.index_select(0, sorted_slots // top_k), tokens_per_expert)
+
+        # Back to (token, slot) order: a permutation, so deterministic.
+        expert_outputs = expert_outputs.index_select(0, sorted_slots.argsort())
+
+        # (T, 1, K) @ (T, K, M) -> (T, M)
+        routed = torch.bmm(
+            top_weights.to(expert_outputs.dtype).unsqueeze(1),
+            expert_outputs.view(num_tokens, top_k, -1),
+        ).squeeze(1)
+
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+        statistics = self._routing_statistics(probs, slot_experts, token_mask)
+
+        # Activation checkpointing reruns the forward pass during the backward
+        # pass; the statistics of the original pass stand. They are computed
+        # anyway, as the rerun must save the same tensors for the backward pass.
+        if not _is_recomputing():
+            self._statistics = statistics
+
+        return (routed + shared).view(seqs.shape)
+
+    def set_batch_layout(self, seqs_layout: BatchLayout) -> None:
+        """Tells the block the layout of the batch its next forward pass
+        sees, so that pad positions do not count in its statistics.
+
+        The decoder layer passes only ``seqs`` to its feed-forward network;
+        :func:`pass_batch_layout_to_ffn` calls this before each layer.
+        """
+        self._batch_layout = seqs_layout
+
+    def _take_token_mask(self, seqs: Tensor) -> Tensor | None:
+        seqs_layout, self._batch_layout = self._batch_layout, None
+
+        if seqs_layout is None or not seqs_layout.padded:
+            return None
+
+        positions = seqs_layout.position_indices
+
+        if positions.shape != seqs.shape[:-1]:
+            raise ValueError(
+                f"The batch layout must match `seqs`, but its positions have a shape of {tuple(positions.shape)} and `seqs` a shape of {tuple(seqs.shape)}."
+            )
+
+        # (N, S) -> (T)
+        return (positions >= 0).flatten()
+
+    def _routing_statistics(
+        self, probs: Tensor, slot_experts: Tensor, token_mask: Tensor | None
+    ) -> MoeRoutingStatistics:
+        top_k = self.router.top_k
+
+        num_experts = self.experts.num_experts
+
+        if token_mask is None:
+            router_prob_sums = probs.sum(dim=0)
+
+            with torch.no_grad():
+                tokens_per_expert = torch.bincount(slot_experts, minlength=num_experts).float()
+
+                num_tokens = probs.new_tensor(float(probs.size(0)))
+        else:
+            token_weights = token_mask.to(probs.dtype)
+
+            router_prob_sums = (probs * token_weights.unsqueeze(-1)).sum(dim=0)
+
+            with torch.no_grad():
+                tokens_per_expert = probs.new_zeros((num_experts,)).index_add_(
+                    0, slot_experts, token_weights.repeat_interleave(top_k)
+                )
+
+                num_tokens = token_weights.sum()
+
+        return MoeRoutingStatistics(tokens_per_expert, router_prob_sums, num_tokens, top_k)
+
+    def pop_statistics(self) -> MoeRoutingStatistics | None:
+        """Returns the statistics of the last forward pass and forgets them,
+        or ``None`` if there was no forward pass since the last call."""
+        statistics, self._statistics = self._statistics, None
+
+        return statistics
+
+
+def pass_batch_layout_to_ffn(
+    layer: Module, args: tuple[object, ...], kwargs: Mapping[str, object]
+) -> None:
+    """A forward pre-hook for decoder layers whose ``ffn`` is a
+    :class:`Qwen35MoeBlock`: hands the block the layer's batch layout.
+
+    A module-level function, not a closure, so that copies of the model
+    (``deepcopy``, pickling) keep working hooks.
+    """
+    seqs_layout = args[1] if len(args) > 1 else kwargs.get("seqs_layout")
+
+    if not isinstance(seqs_layout, BatchLayout):
+        raise TypeError(
+            f"The second argument of the decoder layer must be a `BatchLayout`, but is of type `{type(seqs_layout).__name__}` instead."
+        )
+
+    ffn = layer.ffn
+
+    if not isinstance(ffn, Qwen35MoeBlock):
+        raise TypeError(
+            f"`layer.ffn` must be a `Qwen35MoeBlock`, but is of type `{type(ffn).__name__}` instead."
+        )
+
+    ffn.set_batch_layout(seqs_layout)
+
+
+@final
+@dataclass(frozen=True)
+class MoeStatistics:
+    """The routing of one forward pass of a model, over all its MoE layers."""
+
+    load_balancing_loss: Tensor
+    """
+    The Switch Transformer auxiliary loss exactly as transformers'
+    ``load_balancing_loss_func`` computes it: all layers' real tokens are
+    pooled, so with :math:`N` = layers × tokens, :math:`C_e` the top-k
+    assignments and :math:`P_e` the summed router probabilities of expert
+    :math:`e`, it is :math:`E \\sum_e (C_e / N) (P_e / N)` (1 when perfectly
+    balanced with ``top_k`` 1). Unscaled; differentiable. *Shape:* :math:`()`.
+    """
+
+    tokens_per_expert: Tensor
+    """
+    The (token, slot) assignments of real tokens to each expert of each MoE
+    layer. *Shape:* :math:`(L,E)`, fp32.
+    """
+
+    num_tokens: Tensor
+    """The number of real tokens each layer routed. *Shape:* :math:`()`."""
+
+    top_k: int
+    """The number of experts each token went to."""
+
+    @property
+    def max_tokens_per_expert(self) -> Tensor:
+        """The heaviest load of any expert in any layer."""
+        return self.tokens_per_expert.max()
+
+    @property
+    def min_tokens_per_expert(self) -> Tensor:
+        """The lightest load of any expert in any layer."""
+        return self.tokens_per_expert.min()
+
+    @property
+    def num_dropped_assignments(self) -> Tensor:
+        """The (token, slot) assignments that no expert computed; 0, as the
+        experts have no capacity limit."""
+        num_layers = self.tokens_per_expert.size(0)
+
+        return self.num_tokens * self.top_k * num_layers - self.tokens_per_expert.sum()
+
+
+def collect_moe_statistics(model: Module) -> MoeStatistics | None:
+    """Combines and clears the statistics that the MoE blocks of ``model``
+    recorded in its last forward pass.
+
+    Works through activation-checkpoint, FSDP, DDP, and ``torch.compile``
+    wrappers. Call it after every forward pass whose load-balancing loss
+    counts (every gradient-accumulation step), before the backward pass.
+
+    :returns: ``None`` if ``model`` has no MoE layers.
+
+    :raises RuntimeError: if an MoE layer has no statistics, that is, no
+        forward pass ran since the last call.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock)]
+
+    if not blocks:
+        return None
+
+    layer_statistics = [block.pop_statistics() for block in blocks]
+
+    missing = [idx for idx, s in enumerate(layer_statistics) if s is None]
+
+    if missing:
+        raise RuntimeError(
+            f"MoE layers {missing} have no routing statistics. Run a forward pass of the model before collecting them, and collect them once per forward pass."
+        )
+
+    statistics = [s for s in layer_statistics if s is not None]
+
+    top_k = statistics[0].top_k
+
+    if any(s.top_k != top_k for s in statistics):
+        raise ValueError(
+            "The MoE layers must route each token to the same number of experts to combine their statistics, but do not."
+        )
+
+    tokens_per_expert = torch.stack([s.tokens_per_expert for s in statistics])
+
+    router_prob_sums = torch.stack([s.router_prob_sums for s in statistics]).sum(dim=0)
+
+    num_tokens = statistics[0].num_tokens
+
+    # N = layers × tokens, clamped so that a batch of pads gives 0, not NaN.
+    total = (num_tokens * len(statistics)).clamp(min=1.0)
+
+    num_experts = tokens_per_expert.size(1)
+
+    load_balancing_loss = num_experts * torch.sum(
+        (tokens_per_expert.sum(dim=0) / total) * (router_prob_sums / total)
+    )
+
+    return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k)
+
+
+def _compute_dtype(seqs: Tensor) -> torch.dtype:
+    """Returns the dtype that autocast would compute a matmul of ``seqs`` in."""
+    device_type = seqs.device.type
+
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+
+    return seqs.dtype
+
+
+def _is_recomputing() -> bool:
+    """Returns ``True`` inside the autograd engine, where activation
+    checkpointing recomputes forward passes."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _init_uniform(weight: Tensor, *, fan_in: int) -> None:
+    """Initializes ``weight`` as :class:`torch.nn.Linear` does its weight."""
+    bound = fan_in**-0.5
+
+    torch.nn.init.uniform_(weight, -bound, bound)

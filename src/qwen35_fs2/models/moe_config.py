@@ -1,0 +1,305 @@
+"""Configuration of the Qwen3.5-MoE family (and Qwen3-Next, which it loads),
+its architecture presets, and reading it from Hugging Face configs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from fairseq2.runtime.config_registry import ConfigRegistrar
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.utils.validation import ValidationResult
+
+from qwen35_fs2.models.config import (
+    MOE_MODEL_TYPES,
+    Qwen35Config,
+    _HgConfigReader,
+    check_config,
+    get_text_config,
+    read_hf_text_fields,
+)
+from qwen35_fs2.models.moe import ExpertDispatch
+
+QWEN35_MOE_FAMILY: Final = "qwen35_moe"
+
+QWEN3_NEXT_ENDOFTEXT_IDX: Final = 151_643
+"""The index of ``<|endoftext|>``, the pad token of the Qwen3 vocabulary that
+Qwen3-Next uses."""
+
+
+@dataclass(kw_only=True)
+class Qwen35ExpertsConfig:
+    """Holds the configuration of the MoE blocks of a Qwen3.5-MoE model.
+
+    The defaults describe Qwen3.5-35B-A3B.
+    """
+
+    num_experts: int = 256
+    """The number of routed experts of each MoE block."""
+
+    top_k: int = 8
+    """The number of experts each token is routed to."""
+
+    inner_dim: int = 512
+    """The inner dimensionality of each routed expert (SwiGLU)."""
+
+    shared_expert_inner_dim: int = 512
+    """The inner dimensionality of the shared expert (SwiGLU)."""
+
+    normalize_top_k: bool = True
+    """
+    If ``True``, the weights of a token's ``top_k`` experts are renormalised
+    to sum to 1. Qwen3.5 always renormalises; Qwen3-Next configs choose
+    (``norm_topk_prob``).
+    """
+
+    dense_layers: list[int] = field(default_factory=list)
+    """
+    The layers whose feed-forward network is a dense SwiGLU of
+    ``ffn_inner_dim`` instead of an MoE block (Qwen3-Next's
+    ``mlp_only_layers`` and ``decoder_sparse_step``). Empty in Qwen3.5.
+    """
+
+    dispatch: ExpertDispatch = "auto"
+    """
+    How experts run on their tokens: ``grouped_mm`` (Hopper GPUs, bf16),
+    ``loop`` (anywhere), or ``auto`` (the first that can run).
+    """
+
+
+@dataclass(kw_only=True)
+class Qwen35MoeConfig(Qwen35Config):
+    """Holds the configuration of a Qwen3.5-MoE language model: the hybrid
+    decoder of :class:`Qwen35Config` with MoE feed-forward blocks.
+
+    The defaults describe Qwen3.5-35B-A3B. ``ffn_inner_dim`` is used only by
+    ``experts.dense_layers``.
+    """
+
+    model_dim: int = 2048
+    """The dimensionality of the model."""
+
+    tied_embeddings: bool = False
+    """If ``True``, ties the embedding table and the output projection."""
+
+    num_layers: int = 40
+    """The number of decoder layers."""
+
+    num_attn_heads: int = 16
+    """The number of query heads in full-attention layers."""
+
+    num_key_value_heads: int = 2
+    """The number of key/value heads in full-attention layers (GQA)."""
+
+    num_linear_value_heads: int = 32
+    """
+    The number of value heads in Gated DeltaNet layers; a multiple of
+    ``num_linear_key_heads``.
+    """
+
+    experts: Qwen35ExpertsConfig = field(default_factory=Qwen35ExpertsConfig)
+    """The configuration of the MoE blocks."""
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Returns ``True`` if layer ``layer_idx`` has an MoE block."""
+        return layer_idx not in self.experts.dense_layers
+
+    def validate(self) -> ValidationResult:
+        result = super().validate()
+
+        experts = self.experts
+
+        for name in ("num_experts", "inner_dim", "shared_expert_inner_dim"):
+            value = getattr(experts, name)
+
+            if value < 1:
+                result.add_error(
+                    f"`experts.{name}` must be greater than or equal to 1, but is {value} instead."
+                )
+
+        if not 1 <= experts.top_k <= max(experts.num_experts, 1):
+            result.add_error(
+                f"`experts.top_k` must be between 1 and `experts.num_experts` ({experts.num_experts}), but is {experts.top_k} instead."
+            )
+
+        for layer_idx in experts.dense_layers:
+            if not 0 <= layer_idx < self.num_layers:
+                result.add_error(
+                    f"`experts.dense_layers` must hold layer indices in [0, {self.num_layers}), but holds {layer_idx}."
+                )
+
+        if experts.dispatch not in ("auto", "grouped_mm", "loop"):
+            result.add_error(
+                f"`experts.dispatch` must be 'auto', 'grouped_mm', or 'loop', but is '{experts.dispatch}' instead."
+            )
+
+        return result
+
+
+def register_qwen35_moe_configs(container: DependencyContainer) -> None:
+    arch = ConfigRegistrar(container, Qwen35MoeConfig)
+
+    # Values of the released `config.json` files (secondary sources for
+    # 122B-A10B and 397B-A17B; see the architecture notes, §1b).
+
+    @arch("qwen35_moe_35b_a3b")
+    def qwen35_moe_35b_a3b() -> Qwen35MoeConfig:
+        return Qwen35MoeConfig()
+
+    @arch("qwen35_moe_122b_a10b")
+    def qwen35_moe_122b_a10b() -> Qwen35MoeConfig:
+        config = Qwen35MoeConfig()
+
+        config.model_dim = 3072
+        config.num_layers = 48
+        config.num_attn_heads = 32
+        config.num_linear_value_heads = 64
+        config.experts.inner_dim = 1024
+        config.experts.shared_expert_inner_dim = 1024
+
+        return config
+
+    @arch("qwen35_moe_397b_a17b")
+    def qwen35_moe_397b_a17b() -> Qwen35MoeConfig:
+        config = Qwen35MoeConfig()
+
+        config.model_dim = 4096
+        config.num_layers = 60
+        config.num_attn_heads = 32
+        config.num_linear_value_heads = 64
+        config.experts.num_experts = 512
+        config.experts.top_k = 10
+        config.experts.inner_dim = 1024
+        config.experts.shared_expert_inner_dim = 1024
+
+        return config
+
+    @arch("qwen3_next_80b_a3b")
+    def qwen3_next_80b_a3b() -> Qwen35MoeConfig:
+        """Qwen3-Next-80B-A3B, whose checkpoints load into this family."""
+        config = Qwen35MoeConfig()
+
+        config.vocab_size = 151_936
+        config.pad_idx = QWEN3_NEXT_ENDOFTEXT_IDX
+        config.num_layers = 48
+        config.ffn_inner_dim = 5120
+        config.experts.num_experts = 512
+        config.experts.top_k = 10
+
+        return config
+
+    @arch("qwen35_moe_tiny")
+    def qwen35_moe_tiny() -> Qwen35MoeConfig:
+        return tiny_qwen35_moe_config()
+
+
+def tiny_qwen35_moe_config() -> Qwen35MoeConfig:
+    """Returns a 4-layer, 64-dimensional Qwen3.5-MoE configuration with 8
+    experts (top-2) for tests."""
+    return Qwen35MoeConfig(
+        model_dim=64,
+        max_seq_len=2048,
+        vocab_size=1024,
+        pad_idx=0,
+        tied_embeddings=False,
+        num_layers=4,
+        num_attn_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_linear_key_heads=2,
+        num_linear_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        ffn_inner_dim=96,
+        experts=Qwen35ExpertsConfig(
+            num_experts=8, top_k=2, inner_dim=32, shared_expert_inner_dim=48
+        ),
+    )
+
+
+def qwen35_moe_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35MoeConfig:
+    """Builds a :class:`Qwen35MoeConfig` from a Hugging Face ``config.json``.
+
+    Accepts Qwen3.5-MoE in the released vision-language layout
+    (``model_type: qwen3_5_moe`` with a nested ``text_config``) and the
+    text-only layout (``qwen3_5_moe_text``), and Qwen3-Next
+    (``qwen3_next``). Settings this package does not implement raise a
+    :class:`ValueError`.
+    """
+    model_type = hg_config.get("model_type")
+
+    if model_type not in MOE_MODEL_TYPES:
+        raise ValueError(
+            f"The Hugging Face configuration must have one of the `model_type`s {MOE_MODEL_TYPES}, but has '{model_type}' instead."
+        )
+
+    if model_type == "qwen3_next":
+        text = hg_config
+    else:
+        text = get_text_config(hg_config)
+
+        text_model_type = text.get("model_type", "qwen3_5_moe_text")
+
+        if text_model_type != "qwen3_5_moe_text":
+            raise ValueError(
+                f"`text_config.model_type` must be 'qwen3_5_moe_text', but is '{text_model_type}' instead."
+            )
+
+    reader = _HgConfigReader(text)
+
+    fields = read_hf_text_fields(hg_config, text)
+
+    num_layers = fields["num_layers"]
+
+    if model_type == "qwen3_next":
+        # Qwen3-Next may interleave dense layers, and may skip renormalising.
+        if fields["pad_idx"] is None and fields["vocab_size"] > QWEN3_NEXT_ENDOFTEXT_IDX:
+            fields["pad_idx"] = QWEN3_NEXT_ENDOFTEXT_IDX
+
+        sparse_step = reader.get_int("decoder_sparse_step", default=1)
+
+        mlp_only_layers = text.get("mlp_only_layers") or []
+
+        if not isinstance(mlp_only_layers, list):
+            raise ValueError(
+                f"`mlp_only_layers` must be a list of layer indices, but is {mlp_only_layers!r} instead."
+            )
+
+        dense_layers = [
+            idx
+            for idx in range(num_layers)
+            if idx in mlp_only_layers or (idx + 1) % sparse_step != 0
+        ]
+
+        normalize_top_k = text.get("norm_topk_prob", True)
+
+        if not isinstance(normalize_top_k, bool):
+            raise ValueError(
+                f"`norm_topk_prob` must be a boolean, but is {normalize_top_k!r} instead."
+            )
+
+        ffn_inner_dim = reader.get_int("intermediate_size")
+    else:
+        # transformers' Qwen3.5-MoE has an MoE block in every layer and always
+        # renormalises; its config has no dense width.
+        dense_layers = []
+
+        normalize_top_k = True
+
+        ffn_inner_dim = Qwen35MoeConfig().ffn_inner_dim
+
+    experts = Qwen35ExpertsConfig(
+        num_experts=reader.get_int("num_experts"),
+        top_k=reader.get_int("num_experts_per_tok"),
+        inner_dim=reader.get_int("moe_intermediate_size"),
+        shared_expert_inner_dim=reader.get_int("shared_expert_intermediate_size"),
+        normalize_top_k=normalize_top_k,
+        dense_layers=dense_layers,
+    )
+
+    config = Qwen35MoeConfig(**fields, ffn_inner_dim=ffn_inner_dim, experts=experts)
+
+    check_config(config)
+
+    return config

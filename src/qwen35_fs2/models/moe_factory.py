@@ -1,0 +1,92 @@
+"""Builds Qwen3.5-MoE models: the dense factory with MoE feed-forward blocks."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import Parameter
+from typing_extensions import override
+
+from fairseq2.models.transformer import FeedForwardNetwork, GLUFeedForwardNetwork
+from fairseq2.models.transformer_lm import TransformerLM, TransformerLMDecoderLayer
+from fairseq2.nn import Linear, PositionEncoder
+
+from qwen35_fs2.models.factory import Qwen35Factory
+from qwen35_fs2.models.moe import (
+    Qwen35MoeBlock,
+    RoutedExperts,
+    TopKRouter,
+    pass_batch_layout_to_ffn,
+)
+from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+
+
+def create_qwen35_moe_model(config: Qwen35MoeConfig) -> TransformerLM:
+    return Qwen35MoeFactory(config).create_model()
+
+
+class Qwen35MoeFactory(Qwen35Factory):
+    """Assembles a Qwen3.5-MoE model; the decoder is the dense one, and
+    :meth:`create_ffn` returns an MoE block for every MoE layer."""
+
+    def __init__(self, config: Qwen35MoeConfig) -> None:
+        super().__init__(config)
+
+        self._moe_config = config
+
+    @override
+    def create_decoder_layer(
+        self, layer_idx: int, pos_encoder: PositionEncoder
+    ) -> TransformerLMDecoderLayer:
+        layer = super().create_decoder_layer(layer_idx, pos_encoder)
+
+        if self._moe_config.is_moe_layer(layer_idx):
+            # The block needs the batch layout to leave pads out of its
+            # load-balancing statistics.
+            layer.register_forward_pre_hook(pass_batch_layout_to_ffn, with_kwargs=True)
+
+        return layer
+
+    @override
+    def create_ffn(self, layer_idx: int) -> FeedForwardNetwork:
+        if not self._moe_config.is_moe_layer(layer_idx):
+            return super().create_ffn(layer_idx)
+
+        return self.create_moe_block(layer_idx)
+
+    def create_moe_block(self, layer_idx: int) -> Qwen35MoeBlock:
+        config = self._moe_config
+
+        experts_config = config.experts
+
+        router = TopKRouter(
+            config.model_dim,
+            experts_config.num_experts,
+            experts_config.top_k,
+            normalize_top_k=experts_config.normalize_top_k,
+            init_fn=self._init_expert_parameter,
+        )
+
+        experts = RoutedExperts(
+            experts_config.num_experts,
+            config.model_dim,
+            experts_config.inner_dim,
+            dispatch=experts_config.dispatch,
+            init_fn=self._init_expert_parameter,
+        )
+
+        shared_expert = GLUFeedForwardNetwork(
+            config.model_dim,
+            experts_config.shared_expert_inner_dim,
+            bias=False,
+            inner_dim_scale=1.0,
+            proj_init_fn=self._init_projection,
+        )
+
+        shared_expert_gate = Linear(
+            config.model_dim, 1, bias=False, init_fn=self._init_projection
+        )
+
+        return Qwen35MoeBlock(router, experts, shared_expert, shared_expert_gate)
+
+    def _init_expert_parameter(self, param: Parameter) -> None:
+        torch.nn.init.normal_(param, std=self._moe_config.init_std)

@@ -1,0 +1,501 @@
+"""The MoE block, its dispatch paths, and its load-balancing statistics.
+
+transformers 4.57 (this environment's pin) has the same
+``load_balancing_loss_func`` as the 5.x Qwen3.5-MoE reference, so the aux
+loss is checked against it in-process; ``tests/integration/moe`` checks it
+against 5.24 itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import Tensor
+from torch.nn import ModuleList
+from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
+
+from fairseq2.error import NotSupportedError
+from fairseq2.models.transformer import GLUFeedForwardNetwork
+from fairseq2.models.transformer_lm import apply_ac_to_transformer_lm
+from fairseq2.nn import BatchLayout, Linear
+
+from qwen35_fs2.models import collect_moe_statistics, create_qwen35_moe_model
+from qwen35_fs2.models.moe import Qwen35MoeBlock, RoutedExperts, TopKRouter
+from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+
+MODEL_DIM = 16
+
+
+def _normal(param: Tensor) -> None:
+    torch.nn.init.normal_(param, std=0.3)
+
+
+def _make_block(
+    num_experts: int = 6, top_k: int = 2, inner_dim: int = 8, *, normalize_top_k: bool = True, seed: int = 0
+) -> Qwen35MoeBlock:
+    torch.manual_seed(seed)
+
+    def init_linear(proj: Linear) -> None:
+        _normal(proj.weight)
+
+    return Qwen35MoeBlock(
+        TopKRouter(MODEL_DIM, num_experts, top_k, normalize_top_k=normalize_top_k, init_fn=_normal),
+        RoutedExperts(num_experts, MODEL_DIM, inner_dim, init_fn=_normal),
+        GLUFeedForwardNetwork(MODEL_DIM, 12, bias=False, inner_dim_scale=1.0, proj_init_fn=init_linear),
+        Linear(MODEL_DIM, 1, bias=False, init_fn=init_linear),
+    )
+
+
+def _naive_moe(block: Qwen35MoeBlock, seqs: Tensor) -> Tensor:
+    """Token by token, expert by expert: the MoE formula written out."""
+    experts = block.experts
+
+    x = seqs.reshape(-1, MODEL_DIM)
+
+    probs = F.linear(x, block.router.weight).softmax(dim=-1)
+
+    outputs = []
+
+    for token_idx in range(x.size(0)):
+        weights, indices = probs[token_idx].topk(block.router.top_k)
+
+        if block.router.normalize_top_k:
+            weights = weights / weights.sum()
+
+        token = x[token_idx]
+
+        y = torch.zeros_like(token)
+
+        for weight, expert_idx in zip(weights, indices.tolist()):
+            gate, inner = (experts.gate_inner_proj[expert_idx] @ token).chunk(2)
+
+            y = y + weight * (experts.output_proj[expert_idx] @ (F.silu(gate) * inner))
+
+        shared = torch.sigmoid(block.shared_expert_gate(token)) * block.shared_expert(token)
+
+        outputs.append(y + shared)
+
+    return torch.stack(outputs).view(seqs.shape)
+
+
+def _grads(module: torch.nn.Module) -> dict[str, Tensor]:
+    # Without the prefix that activation-checkpoint wrappers add.
+    return {
+        name.replace("_checkpoint_wrapped_module.", ""): p.grad.clone()
+        for name, p in module.named_parameters()
+        if p.grad is not None
+    }
+
+
+class TestTopKRouter:
+    def test_raises_error_when_top_k_exceeds_num_experts(self) -> None:
+        with pytest.raises(ValueError, match=r"`top_k` must be between 1 and `num_experts` \(4\), but is 5 instead\."):
+            TopKRouter(MODEL_DIM, 4, 5)
+
+    def test_routes_in_fp32_under_autocast(self) -> None:
+        router = TopKRouter(MODEL_DIM, 6, 2, init_fn=_normal)
+
+        x = torch.randn(5, MODEL_DIM)
+
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            probs, weights, indices = router(x)
+
+        assert probs.dtype == torch.float32 and weights.dtype == torch.float32
+
+        expected = F.linear(x, router.weight).softmax(dim=-1)
+
+        torch.testing.assert_close(probs, expected)
+
+    def test_renormalizes_only_when_asked(self) -> None:
+        x = torch.randn(5, MODEL_DIM)
+
+        torch.manual_seed(0)
+
+        normalized = TopKRouter(MODEL_DIM, 6, 3, init_fn=_normal)
+
+        torch.manual_seed(0)
+
+        raw = TopKRouter(MODEL_DIM, 6, 3, normalize_top_k=False, init_fn=_normal)
+
+        probs, raw_weights, _ = raw(x)
+        _, weights, _ = normalized(x)
+
+        torch.testing.assert_close(weights.sum(dim=-1), torch.ones(5))
+
+        torch.testing.assert_close(raw_weights, probs.topk(3, dim=-1).values)
+
+
+class TestQwen35MoeBlock:
+    @pytest.mark.parametrize("normalize_top_k", [True, False])
+    @pytest.mark.parametrize("shape", [(3, 7, MODEL_DIM), (11, MODEL_DIM)])
+    def test_forward_and_gradients_match_naive_moe(self, shape: tuple[int, ...], normalize_top_k: bool) -> None:
+        block = _make_block(normalize_top_k=normalize_top_k)
+
+        reference = copy.deepcopy(block)
+
+        seqs = torch.randn(shape)
+
+        output = block(seqs)
+        expected = _naive_moe(reference, seqs)
+
+        torch.testing.assert_close(output, expected, atol=1e-6, rtol=1e-5)
+
+        cotangent = torch.randn_like(output)
+
+        (output * cotangent).sum().backward()
+        (expected * cotangent).sum().backward()
+
+        grads, expected_grads = _grads(block), _grads(reference)
+
+        assert grads.keys() == expected_grads.keys()
+
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+    def test_experts_compute_only_routed_tokens(self) -> None:
+        block = _make_block(num_experts=6, top_k=2)
+
+        calls: list[tuple[int, list[int]]] = []
+
+        def record(module: torch.nn.Module, args: tuple[Tensor, Tensor]) -> None:
+            calls.append((args[0].size(0), args[1].tolist()))
+
+        block.experts.register_forward_pre_hook(record)
+
+        block(torch.randn(10, MODEL_DIM))
+
+        [(num_rows, tokens_per_expert)] = calls
+
+        # 10 tokens x 2 slots, not 10 tokens x 6 experts.
+        assert num_rows == 20 and sum(tokens_per_expert) == 20
+
+    def test_an_expert_without_tokens_gets_zero_gradient(self) -> None:
+        block = _make_block(num_experts=6, top_k=1)
+
+        # Route every token to expert 0.
+        with torch.no_grad():
+            block.router.weight.zero_()
+            block.router.weight[0, 0] = 100.0
+
+        seqs = torch.randn(4, MODEL_DIM).abs()
+
+        block(seqs).sum().backward()
+
+        grad = block.experts.gate_inner_proj.grad
+
+        assert grad is not None
+
+        assert grad[0].abs().sum() > 0 and grad[1:].abs().sum() == 0
+
+
+class TestRoutedExperts:
+    def test_grouped_mm_path_matches_loop_path(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        # PyTorch 2.9 runs the forward pass of `_grouped_mm` on CPU, which
+        # checks our use of it (offsets, transposed weights) without a GPU.
+        torch.manual_seed(0)
+
+        experts = RoutedExperts(5, MODEL_DIM, 8, dispatch="grouped_mm", init_fn=_normal)
+
+        monkeypatch.setattr(RoutedExperts, "_grouped_mm_unsupported_reason", lambda self, seqs: None)
+
+        # An expert without tokens in the middle, the last one too.
+        tokens_per_expert = torch.tensor([3, 0, 4, 2, 0])
+
+        seqs = torch.randn(9, MODEL_DIM)
+
+        with torch.no_grad():
+            grouped = experts(seqs, tokens_per_expert)
+
+            experts.dispatch = "loop"
+
+            looped = experts(seqs, tokens_per_expert)
+
+        torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+
+    def test_auto_dispatch_loops_on_cpu(self) -> None:
+        experts = RoutedExperts(4, MODEL_DIM, 8)
+
+        assert experts.resolve_dispatch(torch.randn(3, MODEL_DIM)) == "loop"
+
+    def test_grouped_mm_dispatch_raises_error_on_cpu(self) -> None:
+        experts = RoutedExperts(4, MODEL_DIM, 8, dispatch="grouped_mm")
+
+        with pytest.raises(NotSupportedError, match="`grouped_mm` expert dispatch cannot run here: it needs a CUDA device"):
+            experts(torch.randn(3, MODEL_DIM), torch.tensor([1, 1, 1, 0]))
+
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    def test_grouped_mm_forward_and_backward_match_loop_on_cuda(self) -> None:
+        if torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("`torch._grouped_mm` needs compute capability 9.0")
+
+        torch.manual_seed(0)
+
+        device = torch.device("cuda")
+
+        experts = RoutedExperts(6, 64, 32, dispatch="grouped_mm", init_fn=_normal, device=device, dtype=torch.bfloat16)
+
+        reference = copy.deepcopy(experts)
+
+        reference.dispatch = "loop"
+
+        tokens_per_expert = torch.tensor([5, 0, 17, 1, 9, 0], device=device)
+
+        seqs = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+        seqs_ref = seqs.detach().clone().requires_grad_()
+
+        output = experts(seqs, tokens_per_expert)
+        expected = reference(seqs_ref, tokens_per_expert)
+
+        torch.testing.assert_close(output, expected, atol=2e-2, rtol=2e-2)
+
+        output.float().sum().backward()
+        expected.float().sum().backward()
+
+        torch.testing.assert_close(seqs.grad, seqs_ref.grad, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(experts.gate_inner_proj.grad, reference.gate_inner_proj.grad, atol=5e-2, rtol=2e-2)
+
+
+def _hf_aux_loss(blocks: list[Qwen35MoeBlock], inputs: list[Tensor], attention_mask: Tensor | None) -> Tensor:
+    """transformers' loss on the router logits of ``blocks``."""
+    logits = tuple(F.linear(x.reshape(-1, MODEL_DIM), b.router.weight) for b, x in zip(blocks, inputs))
+
+    num_experts = blocks[0].router.num_experts
+
+    loss = load_balancing_loss_func(logits, num_experts, blocks[0].router.top_k, attention_mask)
+
+    assert isinstance(loss, Tensor)
+
+    return loss
+
+
+class TestLoadBalancingLoss:
+    @pytest.mark.parametrize("top_k", [1, 2, 3])
+    def test_equals_transformers_over_several_layers(self, top_k: int) -> None:
+        blocks = [_make_block(num_experts=5, top_k=top_k, seed=seed) for seed in range(3)]
+
+        inputs = [torch.randn(4, 6, MODEL_DIM) for _ in blocks]
+
+        for block, x in zip(blocks, inputs):
+            block(x)
+
+        statistics = collect_moe_statistics(ModuleList(blocks))
+
+        assert statistics is not None
+
+        expected = _hf_aux_loss(blocks, inputs, None)
+
+        assert abs(statistics.load_balancing_loss.item() - expected.item()) <= 1e-6
+
+    def test_leaves_out_padding(self) -> None:
+        blocks = [_make_block(num_experts=5, top_k=2, seed=seed) for seed in range(2)]
+
+        seq_lens = [6, 2, 4]
+
+        layout = BatchLayout((3, 6), seq_lens)
+
+        attention_mask = (torch.arange(6) < torch.tensor(seq_lens).unsqueeze(1)).long()
+
+        inputs = [torch.randn(3, 6, MODEL_DIM) for _ in blocks]
+
+        for block, x in zip(blocks, inputs):
+            block.set_batch_layout(layout)
+
+            block(x)
+
+        statistics = collect_moe_statistics(ModuleList(blocks))
+
+        assert statistics is not None
+
+        expected = _hf_aux_loss(blocks, inputs, attention_mask)
+
+        assert abs(statistics.load_balancing_loss.item() - expected.item()) <= 1e-6
+
+        # Pads changed, real tokens kept: the same loss.
+        for block, x in zip(blocks, inputs):
+            x[attention_mask == 0] = torch.randn(int((attention_mask == 0).sum()), MODEL_DIM)
+
+            block.set_batch_layout(layout)
+
+            block(x)
+
+        again = collect_moe_statistics(ModuleList(blocks))
+
+        assert again is not None
+
+        torch.testing.assert_close(again.load_balancing_loss, statistics.load_balancing_loss)
+
+        assert statistics.num_tokens.item() == sum(seq_lens)
+
+        assert statistics.tokens_per_expert.sum(dim=1).tolist() == [2 * sum(seq_lens)] * 2
+
+    def test_leaves_out_the_padded_tail_of_a_packed_batch(self) -> None:
+        block = _make_block(num_experts=5, top_k=2)
+
+        seq_lens = [3, 4]
+
+        x = torch.randn(9, MODEL_DIM)
+
+        block.set_batch_layout(BatchLayout((9,), seq_lens, packed=True))
+
+        block(x)
+
+        statistics = collect_moe_statistics(block)
+
+        assert statistics is not None
+
+        expected = _hf_aux_loss([block], [x[:7]], None)
+
+        assert abs(statistics.load_balancing_loss.item() - expected.item()) <= 1e-6
+
+    def test_gradient_of_the_aux_loss_alone_reaches_the_router(self) -> None:
+        blocks = [_make_block(num_experts=5, top_k=2, seed=seed) for seed in range(2)]
+
+        references = copy.deepcopy(blocks)
+
+        inputs = [torch.randn(2, 5, MODEL_DIM) for _ in blocks]
+
+        for block, x in zip(blocks, inputs):
+            block(x)
+
+        statistics = collect_moe_statistics(ModuleList(blocks))
+
+        assert statistics is not None
+
+        statistics.load_balancing_loss.backward()
+
+        _hf_aux_loss(references, inputs, None).backward()
+
+        for block, reference in zip(blocks, references):
+            grad = block.router.weight.grad
+
+            assert grad is not None and grad.abs().sum() > 0
+
+            torch.testing.assert_close(grad, reference.router.weight.grad, atol=1e-7, rtol=1e-5)
+
+            # Only the router shapes the aux loss.
+            assert block.experts.gate_inner_proj.grad is None
+
+    def test_is_one_when_routing_is_uniform_with_top_1(self) -> None:
+        block = _make_block(num_experts=4, top_k=1)
+
+        with torch.no_grad():
+            block.router.weight.copy_(torch.eye(4, MODEL_DIM) * 50.0)
+
+        # Each token goes to a distinct expert with probability ~1.
+        block(torch.eye(4, MODEL_DIM))
+
+        statistics = collect_moe_statistics(block)
+
+        assert statistics is not None
+
+        torch.testing.assert_close(statistics.load_balancing_loss, torch.tensor(1.0))
+
+        assert statistics.max_tokens_per_expert.item() == 1
+        assert statistics.min_tokens_per_expert.item() == 1
+        assert statistics.num_dropped_assignments.item() == 0
+
+
+class TestCollectMoeStatistics:
+    def test_returns_none_for_a_dense_model(self) -> None:
+        assert collect_moe_statistics(torch.nn.Linear(2, 2)) is None
+
+    def test_raises_error_without_a_forward_pass(self) -> None:
+        block = _make_block()
+
+        block(torch.randn(3, MODEL_DIM))
+
+        collect_moe_statistics(block)
+
+        with pytest.raises(RuntimeError, match=r"MoE layers \[0\] have no routing statistics"):
+            collect_moe_statistics(block)
+
+    # With early stopping, the recomputation ends before the statistics.
+    @pytest.mark.parametrize("early_stop", [True, False])
+    def test_activation_checkpointing_keeps_statistics_and_gradients(self, early_stop: bool) -> None:
+        config = tiny_qwen35_moe_config()
+
+        torch.manual_seed(0)
+
+        model = create_qwen35_moe_model(config).train()
+
+        checkpointed = copy.deepcopy(model)
+
+        apply_ac_to_transformer_lm(checkpointed, every_nth_layer=1)  # type: ignore[arg-type]
+
+        seqs = torch.randint(1, config.vocab_size, (2, 12))
+        targets = torch.randint(1, config.vocab_size, (2, 12))
+
+        layout = BatchLayout((2, 12), [12, 7])
+
+        def loss(m: torch.nn.Module) -> Tensor:
+            nll = m(seqs, layout, targets, reduction="mean")
+
+            statistics = collect_moe_statistics(m)
+
+            assert statistics is not None
+
+            return nll + 0.1 * statistics.load_balancing_loss
+
+        loss(model).backward()
+
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            loss(checkpointed).backward()
+
+        # The recomputation in the backward pass recorded nothing.
+        assert collect_moe_statistics_or_none(checkpointed) is None
+
+        grads, checkpointed_grads = _grads(model), _grads(checkpointed)
+
+        assert grads.keys() == checkpointed_grads.keys()
+
+        for name, grad in grads.items():
+            torch.testing.assert_close(checkpointed_grads[name], grad, msg=name)
+
+    def test_the_decoder_layer_passes_its_batch_layout_to_the_block(self) -> None:
+        config = tiny_qwen35_moe_config()
+
+        model = create_qwen35_moe_model(config).eval()
+
+        seqs = torch.randint(1, config.vocab_size, (2, 12))
+
+        with torch.no_grad():
+            model(seqs, BatchLayout((2, 12), [12, 5]))
+
+        statistics = collect_moe_statistics(model)
+
+        assert statistics is not None
+
+        assert statistics.num_tokens.item() == 17
+
+        assert statistics.tokens_per_expert.shape == (config.num_layers, config.experts.num_experts)
+
+    def test_a_deep_copy_keeps_a_working_hook(self) -> None:
+        model = create_qwen35_moe_model(tiny_qwen35_moe_config()).eval()
+
+        copied = copy.deepcopy(model)
+
+        seqs = torch.randint(1, 100, (2, 6))
+
+        with torch.no_grad():
+            copied(seqs, BatchLayout((2, 6), [6, 3]))
+
+        statistics = collect_moe_statistics(copied)
+
+        assert statistics is not None and statistics.num_tokens.item() == 9
+
+        # The original saw nothing.
+        assert collect_moe_statistics_or_none(model) is None
+
+
+def collect_moe_statistics_or_none(model: torch.nn.Module) -> object:
+    """Returns ``None`` if no MoE block of ``model`` holds statistics."""
+    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock)]
+
+    popped = [b.pop_statistics() for b in blocks]
+
+    return None if all(p is None for p in popped) else popped
