@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qwen35_fs2.ops.backend import GdnBackend
+from qwen35_fs2.ops.fla_kernels import fla_causal_conv1d
+
 
 def causal_conv1d(
     x: Tensor,
@@ -17,6 +20,7 @@ def causal_conv1d(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     cu_seqlens: Tensor | None = None,
+    backend: GdnBackend = "torch",
 ) -> tuple[Tensor, Tensor | None]:
     """Convolves every channel of ``x`` with its own causal kernel.
 
@@ -33,6 +37,8 @@ def causal_conv1d(
     :param cu_seqlens: Cumulative document lengths ``[N + 1]`` of a packed
         batch (``B`` must be 1); the receptive field never crosses a document
         start.
+    :param backend: ``fla`` runs Dao-AILab's ``causal_conv1d`` (if installed
+        and no state is involved) or fla's Triton kernel; CUDA only.
 
     :returns: The output of shape ``[B, T, D]`` and, if requested, the final
         states of shape ``[N, D, W - 1]``.
@@ -46,6 +52,35 @@ def causal_conv1d(
 
     width = weight.size(1)
 
+    if activation not in ("silu", None):
+        raise ValueError(
+            f"`activation` must be 'silu' or `None`, but is '{activation}' instead."
+        )
+
+    if cu_seqlens is not None and batch_size != 1:
+        raise ValueError(
+            f"The batch size must be 1 when `cu_seqlens` is given, but is {batch_size} instead."
+        )
+
+    num_seqs = batch_size if cu_seqlens is None else cu_seqlens.numel() - 1
+
+    state_shape = (num_seqs, dim, width - 1)
+
+    if initial_state is not None and initial_state.shape != state_shape:
+        raise ValueError(
+            f"`initial_state` must be of shape [N, D, W - 1] = {state_shape}, but is {tuple(initial_state.shape)} instead."
+        )
+
+    if backend == "fla":
+        return fla_causal_conv1d(
+            x,
+            weight,
+            activation=activation,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+        )
+
     if cu_seqlens is None:
         x_flat = x.reshape(batch_size * seq_len, dim)
 
@@ -53,25 +88,13 @@ def causal_conv1d(
             0, (batch_size + 1) * seq_len, seq_len, device=x.device
         )
     else:
-        if batch_size != 1:
-            raise ValueError(
-                f"The batch size must be 1 when `cu_seqlens` is given, but is {batch_size} instead."
-            )
-
         x_flat = x[0]
 
         offsets = cu_seqlens.to(device=x.device, dtype=torch.int64)
 
-    num_seqs = offsets.numel() - 1
-
     if initial_state is None:
-        state = x.new_zeros((num_seqs, dim, width - 1))
+        state = x.new_zeros(state_shape)
     else:
-        if initial_state.shape != (num_seqs, dim, width - 1):
-            raise ValueError(
-                f"`initial_state` must be of shape [N, D, W - 1] = {(num_seqs, dim, width - 1)}, but is {tuple(initial_state.shape)} instead."
-            )
-
         state = initial_state.to(x.dtype)
 
     total_len = x_flat.size(0)
@@ -107,8 +130,6 @@ def causal_conv1d(
 
     if activation == "silu":
         y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"`activation` must be 'silu' or `None`, but is '{activation}' instead.")
 
     y = y.view(batch_size, seq_len, dim)
 

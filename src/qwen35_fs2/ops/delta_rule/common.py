@@ -28,6 +28,40 @@ def expand_qk_heads(x: Tensor, num_v_heads: int) -> Tensor:
     return x.repeat_interleave(num_v_heads // num_heads, dim=-2)
 
 
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """Returns the dtype the recurrence runs in: fp32, or fp64 for fp64 inputs
+    (which gradient checks need)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def sequence_lengths(
+    batch_size: int, seq_len: int, cu_seqlens: Tensor | None
+) -> list[int]:
+    """Returns the length of every sequence of the batch.
+
+    With ``cu_seqlens`` this reads the offsets on the host (a device sync, and
+    a graph break under ``torch.compile``); without, it only uses shapes.
+    """
+    if cu_seqlens is None:
+        return [seq_len] * batch_size
+
+    offsets = [int(offset) for offset in cu_seqlens.tolist()]
+
+    if offsets[0] != 0 or offsets[-1] != seq_len:
+        raise ValueError(
+            f"`cu_seqlens` must start at 0 and end at the sequence length T={seq_len}, but starts at {offsets[0]} and ends at {offsets[-1]} instead."
+        )
+
+    lengths = [end - begin for begin, end in zip(offsets[:-1], offsets[1:])]
+
+    if min(lengths) < 0:
+        raise ValueError(
+            f"`cu_seqlens` must be non-decreasing, but is {offsets} instead."
+        )
+
+    return lengths
+
+
 def check_delta_rule_inputs(
     q: Tensor,
     k: Tensor,
@@ -73,6 +107,11 @@ def check_delta_rule_inputs(
         if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
             raise ValueError(
                 f"`cu_seqlens` must be a 1-D tensor of at least 2 offsets, but has shape {tuple(cu_seqlens.shape)} instead."
+            )
+
+        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+            raise ValueError(
+                f"`cu_seqlens` must be an integer tensor, but is of type {cu_seqlens.dtype} instead."
             )
 
         num_seqs = cu_seqlens.numel() - 1

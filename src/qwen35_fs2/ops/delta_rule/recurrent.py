@@ -8,8 +8,10 @@ from torch import Tensor
 
 from qwen35_fs2.ops.delta_rule.common import (
     check_delta_rule_inputs,
+    compute_dtype,
     expand_qk_heads,
     l2_normalize,
+    sequence_lengths,
 )
 
 
@@ -26,7 +28,8 @@ def recurrent_gated_delta_rule(
     cu_seqlens: Tensor | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
-    """Computes the gated delta rule one token at a time, in fp32.
+    """Computes the gated delta rule one token at a time, in fp32 (fp64 for
+    fp64 inputs).
 
     For every value head, with state ``S`` of shape ``[K, V]``::
 
@@ -56,12 +59,14 @@ def recurrent_gated_delta_rule(
 
     num_v_heads, value_dim = v.shape[2], v.shape[3]
 
+    lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
+
     if scale is None:
         scale = key_dim**-0.5
 
-    dtype = v.dtype
+    out_dtype, dtype = v.dtype, compute_dtype(v)
 
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (t.to(dtype) for t in (q, k, v, g, beta))
 
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)
@@ -70,37 +75,58 @@ def recurrent_gated_delta_rule(
 
     q = q * scale
 
-    if cu_seqlens is None:
-        bounds = [(b, 0, seq_len) for b in range(batch_size)]
+    if initial_state is None:
+        state = q.new_zeros((len(lengths), num_v_heads, key_dim, value_dim))
     else:
-        offsets = cu_seqlens.tolist()
+        state = initial_state.to(dtype)
 
-        bounds = [(0, offsets[i], offsets[i + 1]) for i in range(len(offsets) - 1)]
+    if cu_seqlens is None:
+        # The rows of a regular batch step together.
+        o, final_state = _recur(q, k, v, g, beta, state)
+    else:
+        outputs, final_states = [], []
 
-    o = torch.zeros_like(v)
+        begin = 0
 
-    final_states = []
+        for seq_idx, length in enumerate(lengths):
+            end = begin + length
 
-    for seq_idx, (b, begin, end) in enumerate(bounds):
-        if initial_state is None:
-            state = q.new_zeros((num_v_heads, key_dim, value_dim))
-        else:
-            state = initial_state[seq_idx].float()
+            seq = (t[:, begin:end] for t in (q, k, v, g, beta))
 
-        for t in range(begin, end):
-            state = state * g[b, t].exp()[:, None, None]
+            seq_o, seq_state = _recur(*seq, state[seq_idx : seq_idx + 1])
 
-            # (HV, K) x (HV, K, V) -> (HV, V)
-            kv_mem = torch.einsum("hk,hkv->hv", k[b, t], state)
+            outputs.append(seq_o)
 
-            delta = (v[b, t] - kv_mem) * beta[b, t][:, None]
+            final_states.append(seq_state)
 
-            state = state + k[b, t][:, :, None] * delta[:, None, :]
+            begin = end
 
-            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t], state)
+        o, final_state = torch.cat(outputs, dim=1), torch.cat(final_states)
 
-        final_states.append(state)
+    return o.to(out_dtype), (final_state if output_final_state else None)
 
-    final_state = torch.stack(final_states) if output_final_state else None
 
-    return o.to(dtype), final_state
+def _recur(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Runs the recurrence over ``T`` for sequences of equal length, from
+    ``state`` of shape ``[N, HV, K, V]``; ``q``, ``k`` already have ``HV``
+    heads."""
+    outputs = []
+
+    for t in range(q.size(1)):
+        state = state * g[:, t].exp()[:, :, None, None]
+
+        # (N, HV, K) x (N, HV, K, V) -> (N, HV, V)
+        kv_mem = torch.einsum("nhk,nhkv->nhv", k[:, t], state)
+
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+
+        outputs.append(torch.einsum("nhk,nhkv->nhv", q[:, t], state))
+
+    if not outputs:
+        return v.new_zeros(v.shape), state
+
+    return torch.stack(outputs, dim=1), state

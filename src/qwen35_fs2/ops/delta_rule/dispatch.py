@@ -1,0 +1,77 @@
+"""The gated delta rule entry point of the model: one signature, either
+backend."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from qwen35_fs2.ops.backend import GdnBackend
+from qwen35_fs2.ops.delta_rule.chunk import chunk_gated_delta_rule
+from qwen35_fs2.ops.delta_rule.common import check_delta_rule_inputs
+from qwen35_fs2.ops.delta_rule.recurrent import recurrent_gated_delta_rule
+from qwen35_fs2.ops.fla_kernels import fla_gated_delta_rule
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    backend: GdnBackend,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[Tensor, Tensor | None]:
+    """Computes the gated delta rule with the kernels of ``backend``.
+
+    ``torch`` runs :func:`chunk_gated_delta_rule`, or, to decode one token
+    from a state, :func:`recurrent_gated_delta_rule`. ``fla`` runs fla-core's
+    ``chunk_gated_delta_rule`` (``fused_recurrent_gated_delta_rule`` to decode
+    one token without gradients); it checks shapes but, to avoid a device
+    sync, not the values of ``cu_seqlens``.
+
+    Pass the backend :func:`resolve_gdn_backend` returned at construction.
+    The arguments are those of :func:`recurrent_gated_delta_rule`; ``q`` and
+    ``k`` keep their ``H`` heads (value head ``j`` reads head ``j // (HV //
+    H)``, never repeat them).
+    """
+    check_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+
+    if backend == "fla":
+        return fla_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens,
+            use_qk_l2norm=use_qk_l2norm,
+        )
+
+    if backend != "torch":
+        raise ValueError(f"`backend` must be 'torch' or 'fla', but is '{backend}' instead.")
+
+    if q.size(1) == 1 and initial_state is not None:
+        kernel = recurrent_gated_delta_rule
+    else:
+        kernel = chunk_gated_delta_rule
+
+    return kernel(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+    )

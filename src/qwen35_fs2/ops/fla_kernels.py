@@ -1,0 +1,159 @@
+"""Thin wrappers over fla-core 0.6.0's CUDA kernels (and Dao-AILab's
+``causal_conv1d``), with the conventions of the PyTorch kernels.
+
+fla is imported inside the functions: importing it is slow, and it must not
+happen unless the ``fla`` backend was chosen.
+
+fla caches its variable-length helpers (chunk indices) by the identity of the
+``cu_seqlens`` tensor. These wrappers pass it a fresh copy on every call, so a
+recomputation (activation checkpointing) or a caller reusing a buffer in place
+can never read helpers built for other offsets.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qwen35_fs2.ops.backend import has_causal_conv1d
+
+
+def fla_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+    use_qk_l2norm: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """Runs fla's chunked kernel, or its fused recurrent one to decode a single
+    token without gradients (it has no backward)."""
+    from fla.ops.gated_delta_rule import (
+        chunk_gated_delta_rule,
+        fused_recurrent_gated_delta_rule,
+    )
+
+    if cu_seqlens is not None:
+        cu_seqlens = _fresh_offsets(cu_seqlens)
+
+    if initial_state is not None:
+        initial_state = initial_state.float()
+
+    decoding = q.size(1) == 1 and not (
+        torch.is_grad_enabled()
+        and any(t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
+    )
+
+    if decoding:
+        # `beta` by keyword: the 5th positional parameter is `gk`.
+        o, final_state = fused_recurrent_gated_delta_rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=cu_seqlens,
+        )
+    else:
+        o, final_state = chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm,
+            cu_seqlens=cu_seqlens,
+        )
+
+    # fla returns the output in the dtype of `q`.
+    return o.to(v.dtype), final_state
+
+
+def fla_causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    *,
+    activation: Literal["silu"] | None,
+    initial_state: Tensor | None,
+    output_final_state: bool,
+    cu_seqlens: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Runs Dao-AILab's ``causal_conv1d_fn`` when installed and no state is
+    involved (training), fla's Triton kernel otherwise.
+
+    Our states hold the last ``W - 1`` inputs ``[N, D, W - 1]``; fla's hold
+    ``W`` of them ``[N, D, W]`` and never read the first.
+    """
+    if initial_state is None and not output_final_state and has_causal_conv1d():
+        return _dao_causal_conv1d(x, weight, activation, cu_seqlens), None
+
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    if cu_seqlens is not None:
+        cu_seqlens = _fresh_offsets(cu_seqlens)
+
+    if initial_state is not None:
+        initial_state = F.pad(initial_state.to(x.dtype), (1, 0))
+
+    y, final_state = causal_conv1d(
+        x,
+        weight,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        activation=activation,
+        backend="triton",
+        cu_seqlens=cu_seqlens,
+    )
+
+    if final_state is not None:
+        final_state = final_state[..., 1:].contiguous()
+
+    return y, final_state
+
+
+def _dao_causal_conv1d(
+    x: Tensor, weight: Tensor, activation: Literal["silu"] | None, cu_seqlens: Tensor | None
+) -> Tensor:
+    from causal_conv1d import causal_conv1d_fn
+
+    seq_idx: Tensor | None = None
+
+    if cu_seqlens is not None:
+        positions = torch.arange(x.size(1), device=x.device, dtype=cu_seqlens.dtype)
+
+        # (1, T): the document of every token, as int32.
+        seq_idx = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+        seq_idx = seq_idx.to(torch.int32).unsqueeze(0)
+
+    # `seq_idx` needs channel-last inputs: (B, T, D) seen as (B, D, T).
+    y = causal_conv1d_fn(
+        x.transpose(1, 2), weight.to(x.dtype), bias=None, seq_idx=seq_idx, activation=activation
+    )
+
+    return y.transpose(1, 2)
+
+
+def fla_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Runs fla's fused gated RMSNorm (``FusedRMSNormGated``'s function)."""
+    from fla.modules.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, gate, weight, None, activation="silu", eps=eps)
+
+
+def _fresh_offsets(cu_seqlens: Tensor) -> Tensor:
+    return cu_seqlens.to(dtype=torch.int64, copy=True)
