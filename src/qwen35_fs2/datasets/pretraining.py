@@ -32,10 +32,12 @@ Semantics of the reader:
   the number of batches: when one rank runs out, all stop the epoch together
   (the rest of the others' epoch is dropped, as in fairseq2's
   ``SyncMode.UNTIL_FIRST``), and when one rank fails to read, all raise.
-  Packing does not cross epochs: the last partial batch of an epoch is dropped
-  or, with ``drop_remainder=False``, padded. :meth:`PretrainingReader.reset`
-  starts the next epoch, with a new order; fairseq2's trainer calls it at the
-  end of each epoch.
+  An epoch without a single batch on some rank is an error (the dataset is
+  too small), not an endless series of empty epochs. Packing does not cross
+  epochs: the last partial batch of an epoch is dropped or, with
+  ``drop_remainder=False``, padded. :meth:`PretrainingReader.reset` starts the
+  next epoch, with a new order; fairseq2's trainer calls it at the end of each
+  epoch.
 - **Resumption.** The state is the epoch and the position (row group, row,
   token) where the next batch starts; a batch always starts empty, so no
   tokens are saved. After ``load_state_dict`` the reader re-reads that row
