@@ -51,7 +51,7 @@ class ParquetRowGroup:
 def resolve_parquet_files(
     sources: Sequence[str | Path],
     *,
-    hf_allow_patterns: Sequence[str] = ("*.parquet",),
+    hf_allow_patterns: Sequence[str] = (),
     local_files_only: bool = False,
 ) -> list[Path]:
     """Returns the parquet files of ``sources``, in order.
@@ -61,7 +61,9 @@ def resolve_parquet_files(
         Face Hub dataset repositories.
     :param hf_allow_patterns: The files of ``hg://`` repositories to download
         and read, as ``fnmatch`` patterns relative to the repository root, such
-        as ``sample/10BT/*.parquet``.
+        as ``sample/10BT/*.parquet``. Required with ``hg://`` sources, so that
+        a whole repository (1.3T tokens for FineWeb-Edu) is never downloaded
+        by accident.
     :param local_files_only: If ``True``, ``hg://`` repositories are taken from
         the local Hugging Face cache and never downloaded.
     """

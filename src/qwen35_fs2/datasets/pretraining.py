@@ -84,19 +84,24 @@ from qwen35_fs2.datasets.parquet import (
 PRETRAINING_DATASET: Final = "qwen35_pretraining"
 """The name of the pretraining dataset family."""
 
+FINEWEB_EDU_URI: Final = "hg://HuggingFaceFW/fineweb-edu"
+
+FINEWEB_EDU_SAMPLE_10BT: Final = ("sample/10BT/*.parquet",)
+"""The files of the ``sample-10BT`` config of FineWeb-Edu (14 shards)."""
+
 _STATE_VERSION: Final = 1
 
 
 @dataclass(kw_only=True)
 class PretrainingDatasetConfig:
-    paths: list[str] = field(default_factory=lambda: ["hg://HuggingFaceFW/fineweb-edu"])
+    paths: list[str] = field(default_factory=lambda: [FINEWEB_EDU_URI])
     """
     Parquet files, directories (searched recursively for ``*.parquet``) and
     ``hg://org/dataset`` Hugging Face Hub dataset repositories.
     """
 
     hf_allow_patterns: list[str] = field(
-        default_factory=lambda: ["sample/10BT/*.parquet"]
+        default_factory=lambda: list(FINEWEB_EDU_SAMPLE_10BT)
     )
     """The files of ``hg://`` repositories to download and read."""
 
@@ -114,7 +119,7 @@ class PretrainingDataset:
         self,
         paths: Sequence[str | Path],
         *,
-        hf_allow_patterns: Sequence[str] = ("*.parquet",),
+        hf_allow_patterns: Sequence[str] = FINEWEB_EDU_SAMPLE_10BT,
         text_column: str = "text",
     ) -> None:
         if not paths:

@@ -111,6 +111,10 @@ class TestResolveParquetFiles:
         with pytest.raises(FileNotFoundError, match=r"hg://org/data must have parquet files matching \['x/\*.parquet'\]"):  # fmt: skip
             resolve_parquet_files(["hg://org/data"], hf_allow_patterns=["x/*.parquet"])
 
+    def test_hg_uri_without_allow_patterns_raises_error(self) -> None:
+        with pytest.raises(ValueError, match="`hf_allow_patterns` must name the files to read from hg://HuggingFaceFW/fineweb-edu, but is empty instead"):  # fmt: skip
+            resolve_parquet_files(["hg://HuggingFaceFW/fineweb-edu"])
+
     def test_malformed_hg_uri_raises_error(self) -> None:
         with pytest.raises(ValueError, match="must have the form hg://org/dataset"):
             resolve_parquet_files(["hg://fineweb-edu"])
