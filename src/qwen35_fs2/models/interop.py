@@ -7,7 +7,10 @@ from collections.abc import Mapping
 from typing import Final
 
 from fairseq2.error import StateDictError
-from fairseq2.models.utils.checkpoint import convert_state_dict
+from fairseq2.models.utils.checkpoint import (
+    convert_state_dict,
+    create_reverse_key_map,
+)
 
 from qwen35_fs2.models.config import Qwen35Config
 
@@ -121,3 +124,43 @@ def strip_vlm_prefix(state_dict: Mapping[str, object]) -> dict[str, object]:
 
 
 _HG_KEY_MAP_PATTERNS: Final = tuple(re.compile(p) for p in _HG_KEY_MAP)
+
+# `create_reverse_key_map` would copy a pattern's trailing `$` into the
+# reversed replacement (`...A_log$`), so the end anchors are dropped before
+# reversing. The two affected keys (`A_log`, `dt_bias`) are leaves, so the
+# reversed prefix patterns cannot match anything else.
+_HG_REVERSE_KEY_MAP: Final = create_reverse_key_map(
+    {pattern.removesuffix("$"): repl for pattern, repl in _HG_KEY_MAP.items()}
+)
+
+_HG_REVERSE_KEY_MAP_PATTERNS: Final = tuple(re.compile(p) for p in _HG_REVERSE_KEY_MAP)
+
+
+def convert_to_hg_state_dict(
+    state_dict: Mapping[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Converts a fairseq2 Qwen3.5 state dict to Hugging Face keys in the
+    text-only layout (``model.*``, ``lm_head.*``); the inverse of
+    :func:`convert_qwen35_state_dict`.
+
+    Only keys are renamed: norm weights are stored zero-centred on both sides.
+    With tied embeddings ``lm_head.weight`` is left out, as Hugging Face saves
+    it. Any key outside the table is an error.
+    """
+    unknown_keys = [
+        key
+        for key in state_dict
+        if not any(p.match(key) for p in _HG_REVERSE_KEY_MAP_PATTERNS)
+    ]
+
+    if unknown_keys:
+        raise StateDictError(
+            f"The fairseq2 state dict has keys that have no Hugging Face Qwen3.5 counterpart: {', '.join(sorted(unknown_keys))}"
+        )
+
+    converted = convert_state_dict(dict(state_dict), _HG_REVERSE_KEY_MAP)
+
+    if config.tied_embeddings:
+        converted.pop("lm_head.weight", None)
+
+    return converted

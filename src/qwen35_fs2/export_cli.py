@@ -1,0 +1,683 @@
+"""``fairseq2 lm export_hf``: exports a Qwen3.5 checkpoint as a Hugging Face
+repository.
+
+::
+
+    fairseq2 lm export_hf CHECKPOINT OUTPUT_DIR [--step N] [--base HF_DIR_OR_CARD | --no-base]
+                          [--dtype {bfloat16,float16,float32}] [--text-only]
+                          [--max-shard-size SIZE] [--force] [--no-rich]
+
+``CHECKPOINT`` is a fairseq2 training output directory (its latest step, or
+``--step N``), its ``checkpoints`` directory, a ``step_N`` directory, a Hugging
+Face model directory, or an asset card name. Without ``--base`` the base is
+the model the run started from (``model.path``, or the ``checkpoint`` of the
+``model.name`` card, in the run's ``config.yaml``), the directory itself for
+a Hugging Face directory, and the card's checkpoint for a card.
+
+This module also takes over fairseq2's training-time export
+(``regime.export_hugging_face: true``), see
+:func:`hand_over_fairseq2_hg_export`, and makes its failures loud, see
+:func:`install_hg_export_failure_filter`. It runs as
+``python -m qwen35_fs2.export_cli`` too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from argparse import ArgumentParser, Namespace
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, final
+
+import torch
+import yaml
+from typing_extensions import override
+
+from fairseq2.assets import AssetCard, AssetStore
+from fairseq2.assets.download_manager import get_asset_download_manager
+from fairseq2.data_type import DataType
+from fairseq2.device import CPU
+from fairseq2.logging import configure_logging, log
+from fairseq2.models import ModelFamily, ModelHub
+from fairseq2.runtime.dependency import get_dependency_resolver
+
+from qwen35_fs2.models.config import QWEN35_FAMILY, Qwen35Config, qwen35_config_from_hf
+from qwen35_fs2.models.hf import load_hf_config
+from qwen35_fs2.models.hf_export import (
+    DEFAULT_MAX_SHARD_SIZE,
+    EXPORT_DTYPES,
+    EXPORTABLE_FAMILIES,
+    HfExportError,
+    HfRepository,
+    check_output_dir,
+    plan_hf_export,
+    write_hf_export,
+)
+from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+
+_PROG: Final = "fairseq2 lm export_hf"
+
+_STEP_DIR: Final = re.compile(r"step_([0-9]+)")
+
+_SIZE: Final = re.compile(r"([0-9]+)\s*([KMG]i?B|B)?", re.IGNORECASE)
+
+_SIZE_UNITS: Final = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+}
+
+_FAIRSEQ2_EXPORTER: Final = "fairseq2.models.utils.hg_export"
+
+# The cards fairseq2 makes of the steps of a checkpoint directory.
+_FAIRSEQ2_CHECKPOINT_CARD: Final = re.compile(
+    r"checkpoint_step_[0-9]+|last_checkpoint|best_checkpoint(_[0-9]+)?"
+)
+
+_FAIRSEQ2_CHECKPOINT_NAME: Final = re.compile(r"checkpoint_step_([0-9]+)")
+
+# What the trainer logs when the exporter subprocess exits with an error.
+_FAIRSEQ2_EXPORT_FAILURE: Final = re.compile(
+    r"Hugging Face export operation of step ([0-9]+) failed\. See operation output at (.+)\."
+)
+
+_STDERR_TAIL_LINES: Final = 8
+
+
+def main(argv: Sequence[str]) -> int:
+    """Runs the command; returns 0 on success, 1 if the export failed and
+    2 for a usage error."""
+    try:
+        args = _create_parser().parse_args(argv)
+    except SystemExit as ex:
+        return ex.code if isinstance(ex.code, int) else 2
+
+    configure_logging(no_rich=args.no_rich)
+
+    try:
+        _export(args)
+    except (HfExportError, CheckpointError) as ex:
+        log.error("Export failed: {}", ex)
+
+        return 1
+    except Exception:
+        log.exception("Export failed due to an unexpected error.")
+
+        return 1
+
+    return 0
+
+
+def _create_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        prog=_PROG,
+        description="Exports a Qwen3.5 checkpoint as a Hugging Face repository that transformers and vLLM load in place of the base model.",
+    )
+
+    parser.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a fairseq2 training output directory, its checkpoints or step_N directory, a Hugging Face model directory, or an asset card name",
+    )
+
+    parser.add_argument(
+        "out_dir", metavar="OUTPUT_DIR", type=Path, help="the directory to write"
+    )
+
+    parser.add_argument(
+        "--step",
+        type=int,
+        help="the training step to export (default: the latest)",
+    )
+
+    base = parser.add_mutually_exclusive_group()
+
+    base.add_argument(
+        "--base",
+        metavar="HF_DIR_OR_CARD",
+        help="the Hugging Face model the checkpoint was trained from; its vision tower, MTP head, tokenizer and configuration are carried over (default: the model the run started from)",
+    )
+
+    base.add_argument(
+        "--no-base",
+        action="store_true",
+        help="export the language model alone, as a text-only repository",
+    )
+
+    parser.add_argument(
+        "--dtype",
+        choices=list(EXPORT_DTYPES),
+        help="the dtype of the tensors (default: the base model's, else the checkpoint's)",
+    )
+
+    parser.add_argument(
+        "--text-only",
+        action="store_true",
+        help="write Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM without the vision tower",
+    )
+
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help="the largest safetensors shard, e.g. 5GB (the default), 500MB or 2GiB",
+    )
+
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty OUTPUT_DIR"
+    )
+
+    parser.add_argument(
+        "--no-rich", action="store_true", help="log plain text instead of rich text"
+    )
+
+    return parser
+
+
+def parse_size(value: str) -> int:
+    """Parses a size such as ``5GB`` (10^9 bytes), ``2GiB`` (2^30) or
+    ``1000`` (bytes)."""
+    match = _SIZE.fullmatch(value.strip())
+
+    if match is None or int(match[1]) < 1:
+        raise argparse.ArgumentTypeError(
+            f"SIZE must be a positive number of bytes with an optional unit (B, KB, MB, GB, KiB, MiB, GiB), but is '{value}' instead."
+        )
+
+    return int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
+
+
+class CheckpointError(Exception):
+    """Raised when ``CHECKPOINT`` or ``--base`` cannot be found or read."""
+
+
+@final
+@dataclass(frozen=True)
+class _Source:
+    """A checkpoint to export and the base it was trained from."""
+
+    description: str
+
+    family: ModelFamily
+
+    config: Qwen35Config
+
+    path: Path
+    """The checkpoint: a fairseq2 ``model`` directory or a Hugging Face one."""
+
+    default_base: Path | None
+
+
+def _export(args: Namespace) -> None:
+    source = _resolve_source(args.checkpoint, args.step)
+
+    if args.no_base:
+        base_path = None
+    elif args.base is not None:
+        base_path = _resolve_base(args.base)
+    else:
+        base_path = source.default_base
+
+    base = None if base_path is None else HfRepository.open(base_path)
+
+    check_output_dir(args.out_dir, base=base, force=args.force)
+
+    if base is None:
+        log.info("Exporting {} without a base model: text-only, with the language model alone.", source.description)  # fmt: skip
+    else:
+        log.info("Exporting {} with {} as base model.", source.description, base.path)
+
+    dtype = None if args.dtype is None else EXPORT_DTYPES[args.dtype]
+
+    load_dtype = _load_dtype(source, base, dtype)
+
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, get_dependency_resolver().resolve(AssetStore)
+    )
+
+    model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
+
+    plan = plan_hf_export(
+        model.state_dict(),
+        source.config,
+        base=base,
+        dtype=dtype,
+        text_only=args.text_only,
+    )
+
+    write_hf_export(plan, args.out_dir, force=args.force, max_shard_size=args.max_shard_size)
+
+    log.info("Hugging Face model written to {}.", args.out_dir)
+
+
+def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | None) -> DataType:
+    """Returns the dtype to load the checkpoint in: the export's, when all of
+    its language-model tensors share one, else float32, which holds every
+    export dtype exactly."""
+    if dtype is not None:
+        return dtype
+
+    if base is not None:
+        dtypes = {
+            entry.dtype
+            for key, entry in base.tensors.items()
+            if not key.startswith(("model.visual.", "mtp.")) and entry.dtype.is_floating_point
+        }
+
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, get_dependency_resolver().resolve(AssetStore)
+    )
+
+    for _, tensor in hub.iter_checkpoint(source.path, source.config, mmap=True):
+        if tensor.dtype.is_floating_point:
+            return tensor.dtype
+
+    return torch.float32
+
+
+def _resolve_source(checkpoint: str, step: int | None) -> _Source:
+    path = Path(checkpoint)
+
+    if path.is_dir():
+        if (path / "checkpoints" / "model.yaml").is_file():
+            return _training_source(path / "checkpoints", step)
+
+        if (path / "model.yaml").is_file():
+            return _training_source(path, step)
+
+        match = _STEP_DIR.fullmatch(path.name)
+
+        if match is not None and (path.parent / "model.yaml").is_file():
+            if step is not None and step != int(match[1]):
+                raise CheckpointError(
+                    f"`--step` must be the step of {path} ({match[1]}) or be omitted, but is {step} instead."
+                )
+
+            return _training_source(path.parent, int(match[1]))
+
+        if (path / "config.json").is_file():
+            _check_no_step(step, path)
+
+            return _hf_source(path)
+
+        raise CheckpointError(
+            f"CHECKPOINT must be a fairseq2 training output directory, its checkpoints or step_N directory, or a Hugging Face model directory, but {path} is none of these (it has no checkpoints/model.yaml, model.yaml or config.json)."
+        )
+
+    if path.exists():
+        raise CheckpointError(f"CHECKPOINT must be a directory or an asset card name, but {path} is a file.")
+
+    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(checkpoint)
+
+    if card is None:
+        raise CheckpointError(
+            f"CHECKPOINT must be an existing directory or a known asset card name, but '{checkpoint}' is neither."
+        )
+
+    _check_no_step(step, checkpoint)
+
+    return _card_source(card)
+
+
+def _check_no_step(step: int | None, checkpoint: object) -> None:
+    if step is not None:
+        raise CheckpointError(
+            f"`--step` applies to fairseq2 training checkpoints only, but {checkpoint} is not one."
+        )
+
+
+def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
+    steps = sorted(
+        int(match[1])
+        for child in checkpoint_dir.iterdir()
+        if (match := _STEP_DIR.fullmatch(child.name)) and (child / "model").is_dir()
+    )
+
+    if not steps:
+        raise CheckpointError(
+            f"The checkpoint directory {checkpoint_dir} must hold at least one checkpoint (a step_N/model directory), but has none."
+        )
+
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(
+            f"`--step` must be a step saved in {checkpoint_dir} ({', '.join(map(str, steps))}), but is {step} instead."
+        )
+
+    metadata_file = checkpoint_dir / "model.yaml"
+
+    try:
+        metadata = yaml.safe_load(metadata_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as ex:
+        raise CheckpointError(f"{metadata_file} cannot be read: {ex}") from None
+
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{metadata_file} must hold a mapping, but does not.")
+
+    family = _get_family(metadata.get("model_family"), str(metadata_file))
+
+    model_dir = checkpoint_dir / f"step_{step}" / "model"
+
+    # The card fairseq2 itself makes of a checkpoint (`checkpoint_step_N`),
+    # so that the config is read and validated the way training wrote it.
+    card = AssetCard(
+        f"checkpoint_step_{step}",
+        {
+            "name": f"checkpoint_step_{step}",
+            "model_family": family.name,
+            "model_config": metadata.get("model_config"),
+            "checkpoint": str(model_dir),
+        },
+    )
+
+    config = _get_config(family, card)
+
+    run_dir = checkpoint_dir.parent
+
+    default_base = _run_base(run_dir) if (run_dir / "config.yaml").is_file() else None
+
+    if default_base is not None:
+        log.info("The run in {} started from {}.", run_dir, default_base)
+
+    return _Source(f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base)
+
+
+def _hf_source(path: Path) -> _Source:
+    try:
+        config = qwen35_config_from_hf(load_hf_config(path))
+    except (FileNotFoundError, ValueError) as ex:
+        raise CheckpointError(f"{path} is not a Qwen3.5 Hugging Face model: {ex}") from None
+
+    family_name = _family_name_of(config)
+
+    family = _get_family(family_name, str(path))
+
+    return _Source(str(path), family, config, path, path)
+
+
+def _card_source(card: AssetCard) -> _Source:
+    family_field = card.maybe_get_field("model_family")
+
+    family = _get_family(
+        None if family_field is None else family_field.as_(str), f"the {card.name} asset card"
+    )
+
+    config = _get_config(family, card)
+
+    path = _download_checkpoint(card)
+
+    default_base = path if (path / "config.json").is_file() else None
+
+    return _Source(f"the {card.name} model", family, config, path, default_base)
+
+
+def _family_name_of(config: Qwen35Config) -> str:
+    return QWEN35_MOE_FAMILY if isinstance(config, Qwen35MoeConfig) else QWEN35_FAMILY
+
+
+def _get_family(name: object, where: str) -> ModelFamily:
+    if name not in EXPORTABLE_FAMILIES:
+        raise CheckpointError(
+            f"The model family of {where} must be one of {', '.join(EXPORTABLE_FAMILIES)}, but is {name!r} instead."
+        )
+
+    family = get_dependency_resolver().maybe_resolve(ModelFamily, key=name)
+
+    if family is None:
+        raise CheckpointError(f"The {name} model family is not registered; is qwen35-fs2 installed?")
+
+    return family
+
+
+def _get_config(family: ModelFamily, card: AssetCard) -> Qwen35Config:
+    try:
+        config = family.get_model_config(card)
+    except Exception as ex:
+        raise CheckpointError(f"The model configuration of {card.name} cannot be read: {ex}") from ex
+
+    if not isinstance(config, Qwen35Config):
+        raise CheckpointError(
+            f"The configuration of {card.name} must be a `Qwen35Config`, but is a `{type(config).__name__}` instead."
+        )
+
+    return config
+
+
+def _download_checkpoint(card: AssetCard) -> Path:
+    """Returns the local directory of the ``checkpoint`` of ``card``,
+    downloading it if needed."""
+    try:
+        uri = card.field("checkpoint").as_uri()
+
+        if uri.scheme == "file":
+            path = uri.to_path()
+        else:
+            path = get_asset_download_manager().download_model(uri)
+    except Exception as ex:
+        raise CheckpointError(f"The checkpoint of the {card.name} asset card cannot be found: {ex}") from ex
+
+    if not path.is_dir():
+        raise CheckpointError(
+            f"The checkpoint of the {card.name} asset card must be a directory, but {path} is not."
+        )
+
+    return path
+
+
+def _resolve_base(base: str) -> Path:
+    path = Path(base)
+
+    if path.is_dir():
+        return path
+
+    if path.exists():
+        raise CheckpointError(f"`--base` must be a directory or an asset card name, but {path} is a file.")
+
+    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(base)
+
+    if card is None:
+        raise CheckpointError(
+            f"`--base` must be an existing Hugging Face model directory or a known asset card name, but '{base}' is neither."
+        )
+
+    path = _download_checkpoint(card)
+
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"`--base` must be a Hugging Face model, but the checkpoint of the {card.name} asset card ({path}) has no config.json."
+        )
+
+    return path
+
+
+def _run_base(run_dir: Path) -> Path | None:
+    """Returns the Hugging Face model a training run started from, as its
+    ``config.yaml`` records it, following runs that continued an earlier
+    run's checkpoint; ``None`` if it started from anything else."""
+    config_file = run_dir / "config.yaml"
+
+    try:
+        run_config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as ex:
+        raise CheckpointError(f"{config_file} cannot be read: {ex}") from None
+
+    if not isinstance(run_config, dict):
+        raise CheckpointError(f"{config_file} must hold a recipe configuration, but does not.")
+
+    model_section = run_config.get("model")
+
+    if not isinstance(model_section, dict):
+        return None
+
+    model_path = model_section.get("path")
+
+    if model_path is not None:
+        path = Path(model_path)
+
+        if not path.exists():
+            raise CheckpointError(
+                f"The run in {run_dir} started from {path}, whose Hugging Face files the export carries over, but it does not exist anymore. Pass `--base DIR` or `--no-base`."
+            )
+
+        return path if (path / "config.json").is_file() else None
+
+    name = model_section.get("name")
+
+    if not isinstance(name, str):
+        return None
+
+    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(name)
+
+    if card is None:
+        # The `checkpoint_step_N` cards of `common.assets.prev_checkpoint_dir`.
+        assets = (run_config.get("common") or {}).get("assets") or {}
+
+        prev_checkpoint_dir = assets.get("prev_checkpoint_dir")
+
+        if prev_checkpoint_dir is not None and _FAIRSEQ2_CHECKPOINT_CARD.fullmatch(name):
+            prev_run_dir = Path(prev_checkpoint_dir).parent
+
+            if (prev_run_dir / "config.yaml").is_file():
+                return _run_base(prev_run_dir)
+
+        raise CheckpointError(
+            f"The run in {run_dir} started from the {name} model, which is not a known asset card here, so the Hugging Face model to carry over is unknown. Pass `--base DIR` or `--no-base`."
+        )
+
+    if not card.has_field("checkpoint"):
+        return None
+
+    try:
+        path = _download_checkpoint(card)
+    except CheckpointError as ex:
+        raise CheckpointError(
+            f"The run in {run_dir} started from the {name} model, whose Hugging Face files the export carries over, but they cannot be found: {ex} Pass `--base DIR` or `--no-base`."
+        ) from None
+
+    return path if (path / "config.json").is_file() else None
+
+
+def hand_over_fairseq2_hg_export() -> None:
+    """Replaces fairseq2's out-of-process Hugging Face exporter with this
+    command when it is about to export a checkpoint of ours.
+
+    With ``regime.export_hugging_face: true`` the trainer runs ``python -m
+    fairseq2.models.utils.hg_export --checkpoint-dir DIR checkpoint_step_N
+    DIR/step_N/hg`` after each checkpoint, in a subprocess with an empty
+    environment. fairseq2 0.8.1 gives an extension no way to change that
+    command or the saver it calls (its container refuses to re-register
+    either, and the saver needs a transformers 4.57 config class), so its
+    process, which loads this extension, is re-executed as ``python -m
+    qwen35_fs2.export_cli DIR/.. DIR/step_N/hg --step N``: the same output,
+    stdout, stderr and exit status reach the trainer as from fairseq2's
+    exporter. Any other use of fairseq2's exporter is left alone.
+    """
+    main_module = sys.modules.get("__main__")
+
+    spec = getattr(main_module, "__spec__", None)
+
+    if spec is None or spec.name != _FAIRSEQ2_EXPORTER:
+        return
+
+    # fairseq2's own command line (`hg_export._parse_args`).
+    parser = ArgumentParser(add_help=False)
+
+    parser.add_argument("--checkpoint-dir", type=Path)
+    parser.add_argument("--extra-asset-path", type=Path)
+    parser.add_argument("--no-rich", action="store_true")
+    parser.add_argument("model")
+    parser.add_argument("save_dir", type=Path)
+
+    args, unknown_args = parser.parse_known_args(sys.argv[1:])
+
+    if unknown_args or args.checkpoint_dir is None or args.extra_asset_path is not None:
+        return
+
+    match = _FAIRSEQ2_CHECKPOINT_NAME.fullmatch(args.model)
+
+    if match is None:
+        return
+
+    try:
+        metadata = yaml.safe_load((args.checkpoint_dir / "model.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return
+
+    if not isinstance(metadata, dict) or metadata.get("model_family") not in EXPORTABLE_FAMILIES:
+        return
+
+    command = [
+        sys.executable, "-m", "qwen35_fs2.export_cli",
+        str(args.checkpoint_dir), str(args.save_dir), "--step", match[1], "--no-rich",
+    ]  # fmt: skip
+
+    print(f"fairseq2's Hugging Face exporter hands over to qwen35-fs2: {' '.join(command)}", flush=True)
+
+    sys.stderr.flush()
+
+    os.execv(sys.executable, command)
+
+
+@final
+class _HgExportFailureFilter(logging.Filter):
+    """Turns fairseq2's warning that an out-of-process export failed into an
+    error that carries the exporter's own message."""
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        match = _FAIRSEQ2_EXPORT_FAILURE.fullmatch(record.getMessage())
+
+        if match is None:
+            return True
+
+        step_nr, stderr_file = match[1], match[2]
+
+        try:
+            lines = Path(stderr_file).read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError as ex:
+            lines = [f"(its output cannot be read: {ex})"]
+
+        lines = [line for line in lines if line.strip()]
+
+        # From the exporter's error message on, else the end of its output.
+        error_idx = next((i for i, line in enumerate(lines) if " ERROR" in line), None)
+
+        if error_idx is None:
+            tail = lines[-_STDERR_TAIL_LINES:]
+        else:
+            tail = [lines[error_idx], *lines[error_idx + 1 :][-(_STDERR_TAIL_LINES - 1) :]]
+
+        record.msg = "\n".join(
+            [f"Hugging Face export of step {step_nr} FAILED; the last lines of {stderr_file}:", *(f"    {line}" for line in tail)]
+        )
+        record.args = ()
+        record.levelno = logging.ERROR
+        record.levelname = logging.getLevelName(logging.ERROR)
+
+        return True
+
+
+def install_hg_export_failure_filter() -> None:
+    """Makes failed training-time exports errors in the run's log; fairseq2
+    logs them as a warning that only points at a file."""
+    logger = logging.getLogger("fairseq2")
+
+    if not any(isinstance(f, _HgExportFailureFilter) for f in logger.filters):
+        logger.addFilter(_HgExportFailureFilter())
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,121 @@
+"""Helpers of the export integration tests: tiny reference checkpoints,
+fairseq2 training runs made from them, and reading exports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from safetensors import safe_open
+from torch import Tensor
+from torch.nn import Module
+
+from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
+from fairseq2.device import CPU
+from fairseq2.gang import create_fake_gangs
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn import BatchLayout
+from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
+
+from hf_reference import TinyQwen35Spec
+from qwen35_fs2 import load_hf_model
+from qwen35_fs2.models.config import qwen35_config_from_hf
+from qwen35_fs2.models.hf import load_hf_config
+from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+
+DENSE_VLM = TinyQwen35Spec(layout="vlm", add_mtp=True)
+"""The released layout: vision tower, MTP head, untied, fp32."""
+
+DENSE_VLM_BF16_TIED = TinyQwen35Spec(layout="vlm", add_mtp=True, tie_word_embeddings=True, dtype="bfloat16", seed=1)
+
+DENSE_TEXT = TinyQwen35Spec(layout="text", seed=2)
+
+MOE_VLM = TinyQwen35Spec(layout="vlm", moe=True, add_mtp=True, seed=3)
+"""Fused experts, as released."""
+
+MOE_TEXT_PER_EXPERT_BF16 = TinyQwen35Spec(layout="text", moe=True, expert_layout="per_expert", dtype="bfloat16", seed=4)
+"""Per-expert tensors, as transformers 5.24's `save_pretrained` writes."""
+
+DENSE_VLM_WIDE = TinyQwen35Spec(layout="vlm", hidden_size=96, seed=5)
+"""Like ``DENSE_VLM`` but 96 wide: a base that does not match it."""
+
+ALL_SPECS = (DENSE_VLM, DENSE_VLM_BF16_TIED, DENSE_TEXT, MOE_VLM, MOE_TEXT_PER_EXPERT_BF16, DENSE_VLM_WIDE)
+
+INPUT_IDS = torch.tensor([[5, 9, 17, 3, 200, 11, 7, 42, 99, 1, 64, 128], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+
+
+def read_tensors(model_dir: Path) -> dict[str, Tensor]:
+    tensors = {}
+
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as reader:
+            for key in reader.keys():
+                tensors[key] = reader.get_tensor(key)
+
+    return tensors
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads((model_dir / "config.json").read_text())
+
+    return config
+
+
+def fine_tune(model: Module, seed: int = 7) -> Module:
+    """Moves every parameter, norms included, as training would; an export
+    that shifted a norm by 1, or copied a tensor from the base instead of the
+    model, then gives other logits."""
+    generator = torch.Generator().manual_seed(seed)
+
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+
+            param.add_((0.05 * param.float().std().nan_to_num(0.0) + 0.05) * noise.to(param.dtype))
+
+    return model
+
+
+@torch.no_grad()
+def fairseq2_logits(model: Module, input_ids: Tensor = INPUT_IDS) -> Tensor:
+    assert isinstance(model, TransformerLM)
+
+    model.eval()
+
+    logits: Tensor = model(input_ids, BatchLayout.of(input_ids))
+
+    return logits.float()
+
+
+def make_training_run(run_dir: Path, base: Path, *, step_nrs: tuple[int, ...] = (2, 4)) -> dict[int, Module]:
+    """Writes a training output directory as a fairseq2 recipe does (the
+    checkpoints with fairseq2's checkpoint manager, ``config.yaml`` naming
+    ``base`` as ``model.path``), fine-tuned differently at each step; returns
+    the model of each step."""
+    resolver = get_dependency_resolver()
+
+    config = qwen35_config_from_hf(load_hf_config(base))
+
+    manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
+
+    models = {}
+
+    for step_nr in step_nrs:
+        model = fine_tune(load_hf_model(base), seed=step_nr)
+
+        manager.save_model_only(step_nr, model, blocking=True)
+
+        models[step_nr] = model
+
+    family = QWEN35_MOE_FAMILY if isinstance(config, Qwen35MoeConfig) else "qwen35"
+
+    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", family, config)
+
+    run_config = {"model": {"name": None, "path": str(base), "family": family, "dtype": "float32"}}
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
+
+    return models
