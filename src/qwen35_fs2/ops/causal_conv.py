@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal, final
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from qwen35_fs2.ops.backend import GdnBackend
+from qwen35_fs2.ops.delta_rule.common import sequence_lengths
 from qwen35_fs2.ops.fla_kernels import fla_causal_conv1d
 
 
@@ -26,6 +28,9 @@ def causal_conv1d(
 
     ``y[t] = sum_j weight[:, j] * x[t - (W - 1) + j]``, where inputs before
     the start of a sequence come from ``initial_state`` (zeros if ``None``).
+
+    The PyTorch path keeps only its input for the backward (it recomputes
+    the pre-activation); with ``cu_seqlens`` it reads the offsets on the host.
 
     :param x: The input of shape ``[B, T, D]``.
     :param weight: The kernels of shape ``[D, W]``.
@@ -81,79 +86,234 @@ def causal_conv1d(
             cu_seqlens=cu_seqlens,
         )
 
+    if backend != "torch":
+        raise ValueError(f"`backend` must be 'torch' or 'fla', but is '{backend}' instead.")
+
     if cu_seqlens is None:
-        x_flat = x.reshape(batch_size * seq_len, dim)
-
-        offsets = torch.arange(
-            0, (batch_size + 1) * seq_len, seq_len, device=x.device
-        )
+        layout = _HistoryLayout.regular(batch_size, seq_len, width)
     else:
-        x_flat = x[0]
+        lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
 
-        offsets = cu_seqlens.to(device=x.device, dtype=torch.int64)
+        layout = _HistoryLayout.packed(lengths, width, x.device)
 
-    if initial_state is None:
-        state = x.new_zeros(state_shape)
-    else:
-        state = initial_state.to(x.dtype)
-
-    total_len = x_flat.size(0)
-
-    # For each token, its sequence index and its position in the sequence.
-    lengths = offsets[1:] - offsets[:-1]
-
-    seq_ids = torch.repeat_interleave(
-        torch.arange(num_seqs, device=x.device), lengths, output_size=total_len
+    y, final_state = _CausalConv1dFunction.apply(
+        x, weight, initial_state, activation == "silu", output_final_state, layout
     )
 
-    positions = torch.arange(total_len, device=x.device) - offsets[seq_ids]
-
-    # Rows [0, N * (W - 1)) hold the states, followed by the inputs.
-    history = torch.cat([state.transpose(1, 2).reshape(-1, dim), x_flat])
-
-    num_state_rows = num_seqs * (width - 1)
-
-    token_rows = torch.arange(total_len, device=x.device) + num_state_rows
-
-    y = x_flat * weight[:, width - 1]
-
-    for shift in range(1, width):
-        in_seq = positions >= shift
-
-        # Before the sequence start, read slot `W - 1 - (shift - pos)` of
-        # the sequence's state.
-        state_rows = seq_ids * (width - 1) + (width - 1) - (shift - positions)
-
-        rows = torch.where(in_seq, token_rows - shift, state_rows)
-
-        y = y + history[rows] * weight[:, width - 1 - shift]
-
-    if activation == "silu":
-        y = F.silu(y)
-
-    y = y.view(batch_size, seq_len, dim)
-
-    if not output_final_state:
-        return y, None
-
-    # The last W - 1 inputs of each sequence, reaching into its state when the
-    # sequence is shorter than that.
-    ends = offsets[1:]
-
-    slots = torch.arange(-(width - 1), 0, device=x.device)
-
-    # (N, W - 1)
-    last = ends[:, None] + slots[None, :]
-
-    in_seq = last >= offsets[:-1, None]
-
-    seq_rows = torch.arange(num_seqs, device=x.device)[:, None]
-
-    state_rows = seq_rows * (width - 1) + (width - 1) + (last - offsets[:-1, None])
-
-    rows = torch.where(in_seq, last + num_state_rows, state_rows)
-
-    # (N, W - 1, D) -> (N, D, W - 1)
-    final_state = history[rows].transpose(1, 2).contiguous()
-
     return y, final_state
+
+
+@final
+@dataclass(frozen=True)
+class _HistoryLayout:
+    """Lays every sequence out after its ``W - 1`` state rows, in a history
+    of shape ``[B', R, D]``: then ``pre[:, r] = sum_j w_j * history[:, r +
+    j]``, without any masking.
+
+    A regular batch is ``[B, W - 1 + T, D]``; a packed one is one row of
+    ``R = N (W - 1) + T`` whose gathers are given by index tensors.
+    """
+
+    width: int
+
+    num_rows: int
+
+    token_rows: Tensor | None
+    """``[T]``: the history row of every token; ``None`` for a regular batch."""
+
+    state_rows: Tensor | None
+    """``[N, W - 1]``: the history rows of the initial states."""
+
+    final_rows: Tensor | None
+    """``[N, W - 1]``: the history rows of the final states."""
+
+    @staticmethod
+    def regular(batch_size: int, seq_len: int, width: int) -> _HistoryLayout:
+        return _HistoryLayout(width, width - 1 + seq_len, None, None, None)
+
+    @staticmethod
+    def packed(lengths: list[int], width: int, device: torch.device) -> _HistoryLayout:
+        num_seqs, num_tokens = len(lengths), sum(lengths)
+
+        lengths_pt = torch.tensor(lengths, device=device, dtype=torch.int64)
+
+        seq_ends = lengths_pt.cumsum(0) + (width - 1) * torch.arange(1, num_seqs + 1, device=device)
+
+        token_seqs = torch.repeat_interleave(
+            torch.arange(num_seqs, device=device), lengths_pt, output_size=num_tokens
+        )
+
+        token_rows = torch.arange(num_tokens, device=device) + (width - 1) * (token_seqs + 1)
+
+        slots = torch.arange(width - 1, device=device)
+
+        state_rows = (seq_ends - lengths_pt - (width - 1))[:, None] + slots
+        final_rows = (seq_ends - (width - 1))[:, None] + slots
+
+        return _HistoryLayout(
+            width, num_tokens + num_seqs * (width - 1), token_rows, state_rows, final_rows
+        )
+
+    def build(self, x: Tensor, state: Tensor | None) -> Tensor:
+        """Returns the history of ``x`` ``[B, T, D]`` and ``state`` ``[N, D,
+        W - 1]`` (zeros if ``None``)."""
+        batch_size, _, dim = x.shape
+
+        if self.token_rows is None:
+            if state is None:
+                state = x.new_zeros((batch_size, dim, self.width - 1))
+
+            return torch.cat([state.transpose(1, 2).to(x.dtype), x], dim=1)
+
+        assert self.state_rows is not None
+
+        history = x.new_zeros((self.num_rows, dim))
+
+        history.index_copy_(0, self.token_rows, x[0])
+
+        if state is not None:
+            history.index_copy_(0, self.state_rows.flatten(), state.transpose(1, 2).flatten(0, 1).to(x.dtype))
+
+        return history[None]
+
+    def tokens(self, history_like: Tensor) -> Tensor:
+        """The rows of the tokens, ``[B, T, D]``."""
+        if self.token_rows is None:
+            return history_like[:, self.width - 1 :]
+
+        return history_like[:, self.token_rows]
+
+    def states(self, history_like: Tensor, final: bool) -> Tensor:
+        """The rows of the initial (or final) states, ``[N, D, W - 1]``."""
+        if self.token_rows is None:
+            begin = history_like.size(1) - (self.width - 1) if final else 0
+
+            rows = history_like[:, begin : begin + self.width - 1]
+
+            return rows.transpose(1, 2)
+
+        rows_idx = self.final_rows if final else self.state_rows
+
+        assert rows_idx is not None
+
+        return history_like[0, rows_idx].transpose(1, 2)
+
+    def outputs(self, pre: Tensor) -> Tensor:
+        """``pre`` ``[B', R - (W - 1), D]`` at the rows of the tokens."""
+        if self.token_rows is None:
+            return pre
+
+        return pre[:, self.token_rows - (self.width - 1)]
+
+    def scatter_outputs(self, dy: Tensor) -> Tensor:
+        """The transpose of :meth:`outputs`, always a new tensor."""
+        if self.token_rows is None:
+            return dy.clone(memory_format=torch.contiguous_format)
+
+        dpre = dy.new_zeros((1, self.num_rows - (self.width - 1), dy.size(-1)))
+
+        dpre[0].index_copy_(0, self.token_rows - (self.width - 1), dy[0])
+
+        return dpre
+
+    def add_to_final_states(self, dhistory: Tensor, dht: Tensor) -> None:
+        """Adds ``dht`` ``[N, D, W - 1]`` to the final state rows of
+        ``dhistory``."""
+        dht = dht.to(dhistory.dtype).transpose(1, 2)
+
+        if self.final_rows is None:
+            dhistory[:, dhistory.size(1) - (self.width - 1) :] += dht
+        else:
+            dhistory[0].index_add_(0, self.final_rows.flatten(), dht.flatten(0, 1))
+
+
+def _convolve(history: Tensor, weight: Tensor) -> Tensor:
+    """``pre[:, r] = sum_j weight[:, j] * history[:, r + j]``."""
+    width = weight.size(1)
+
+    num_rows = history.size(1) - (width - 1)
+
+    pre = history[:, width - 1 :] * weight[:, width - 1]
+
+    for j in range(width - 1):
+        pre.addcmul_(history[:, j : j + num_rows], weight[:, j])
+
+    return pre
+
+
+class _CausalConv1dFunction(torch.autograd.Function):
+    """Keeps the history (the input and the states) and recomputes the
+    pre-activation in the backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        initial_state: Tensor | None,
+        silu: bool,
+        output_final_state: bool,
+        layout: _HistoryLayout,
+    ) -> tuple[Tensor, Tensor | None]:
+        history = layout.build(x, initial_state)
+
+        pre = _convolve(history, weight.to(x.dtype))
+
+        y = layout.outputs(F.silu(pre, inplace=True) if silu else pre)
+
+        final_state = layout.states(history, final=True).contiguous() if output_final_state else None
+
+        ctx.save_for_backward(history, weight)
+
+        ctx.silu = silu
+        ctx.layout = layout
+        ctx.state_dtype = None if initial_state is None else initial_state.dtype
+
+        return y.reshape(x.shape), final_state
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: Any, dy: Tensor, dht: Tensor | None
+    ) -> tuple[Tensor | None, ...]:
+        history, weight = ctx.saved_tensors
+
+        layout: _HistoryLayout = ctx.layout
+
+        w = weight.to(history.dtype)
+
+        # The gradient of the pre-activation, over all rows of the history
+        # (the state rows get none).
+        dpre = layout.scatter_outputs(dy)
+
+        if ctx.silu:
+            pre = _convolve(history, w)
+
+            sig = torch.sigmoid(pre)
+
+            # silu'(z) = sig(z) (1 + z (1 - sig(z)))
+            dpre.mul_(pre.mul_(1.0 - sig).add_(1.0).mul_(sig))
+
+            del pre, sig
+
+        num_rows = dpre.size(1)
+
+        dhistory = torch.zeros_like(history)
+
+        dweight = torch.empty_like(w)
+
+        for j in range(w.size(1)):
+            dhistory[:, j : j + num_rows].addcmul_(dpre, w[:, j])
+
+            dweight[:, j] = (dpre * history[:, j : j + num_rows]).sum((0, 1))
+
+        if dht is not None:
+            layout.add_to_final_states(dhistory, dht)
+
+        dx = layout.tokens(dhistory).reshape(dy.shape)
+
+        dh0 = None
+
+        if ctx.state_dtype is not None:
+            dh0 = layout.states(dhistory, final=False).to(ctx.state_dtype)
+
+        return dx, dweight.to(weight.dtype), dh0, None, None, None

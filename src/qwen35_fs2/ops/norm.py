@@ -17,8 +17,9 @@ def gated_rms_norm(
 
     Unlike the ``(1 + weight)`` RMSNorm of the rest of Qwen3.5, the weight is
     used as is. As in the reference, the normalization and the gate are in
-    fp32 while the weight multiplies the normalized ``x`` in ``x``'s dtype
-    (fla keeps fp32 throughout: the results differ in the last bit in bf16).
+    fp32 (fp64 for fp64 inputs) while the weight multiplies the normalized
+    ``x`` in ``x``'s dtype (fla keeps fp32 throughout: the results differ in
+    the last bit in bf16).
 
     :param x: The input of shape ``[*, D]``.
     :param gate: The gate, of the shape of ``x``.
@@ -37,10 +38,12 @@ def gated_rms_norm(
     if backend == "fla":
         return fla_gated_rms_norm(x, gate, weight, eps)
 
-    h = x.float()
+    dtype = torch.promote_types(x.dtype, torch.float32)
+
+    h = x.to(dtype)
 
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
     h = weight * h.to(x.dtype)
 
-    return (h * F.silu(gate.float())).to(x.dtype)
+    return (h * F.silu(gate.to(dtype))).to(x.dtype)

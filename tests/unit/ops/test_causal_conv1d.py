@@ -1,0 +1,205 @@
+"""The depthwise causal convolution of the Gated DeltaNet layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from qwen35_fs2.ops import causal_conv1d
+
+from .helpers import assert_close, cu_seqlens_of, random_lengths
+
+
+def reference_conv(x: Tensor, weight: Tensor, state: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One sequence ``[T, D]`` through ``torch.nn.functional.conv1d`` and
+    SiLU, preceded by ``state`` ``[D, W - 1]`` (zeros if ``None``); returns the
+    output and the last ``W - 1`` inputs."""
+    dim, width = weight.shape
+
+    if state is None:
+        state = x.new_zeros(dim, width - 1)
+
+    history = torch.cat([state, x.T], dim=1)
+
+    y = F.conv1d(history[None], weight[:, None, :], groups=dim)[0].T
+
+    return F.silu(y), history[:, history.size(1) - (width - 1) :]
+
+
+def run_with_grads(
+    x: Tensor, weight: Tensor, initial_state: Tensor, dy: Tensor, dht: Tensor, **kwargs: object
+) -> dict[str, Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, initial_state)]
+
+    y, ht = causal_conv1d(
+        leaves[0], leaves[1], initial_state=leaves[2], output_final_state=True, **kwargs  # type: ignore[arg-type]
+    )
+
+    assert ht is not None
+
+    torch.autograd.backward([y, ht], [dy, dht])
+
+    return {"y": y, "ht": ht, "dx": leaves[0].grad, "dweight": leaves[1].grad, "dh0": leaves[2].grad}
+
+
+class TestCausalConv1d:
+    @pytest.mark.parametrize(
+        "lengths",
+        [[1, 3, 4, 5, 64], random_lengths(500, seed=30, must_include=(2, 1, 3)), [0, 7, 0]],
+        ids=["edge-lengths", "random-lengths", "empty-documents"],
+    )
+    def test_packed_documents_match_per_document_conv1d(self, lengths: list[int]) -> None:
+        gen = torch.Generator().manual_seed(31)
+
+        total, dim, width = sum(lengths), 24, 4
+
+        x = torch.randn(1, total, dim, generator=gen)
+        weight = torch.randn(dim, width, generator=gen)
+        h0 = torch.randn(len(lengths), dim, width - 1, generator=gen)
+        dy = torch.randn(1, total, dim, generator=gen)
+        dht = torch.randn(len(lengths), dim, width - 1, generator=gen)
+
+        actual = run_with_grads(x, weight, h0, dy, dht, cu_seqlens=cu_seqlens_of(lengths))
+
+        expected_dweight = torch.zeros_like(weight)
+
+        begin = 0
+
+        for idx, length in enumerate(lengths):
+            end = begin + length
+
+            if length == 0:
+                # Nothing to convolve: the state passes through.
+                assert_close(f"ht of document {idx}", h0[idx], actual["ht"][idx], 0.0)
+                assert_close(f"dh0 of document {idx}", dht[idx], actual["dh0"][idx], 0.0)
+
+                continue
+
+            leaves = [t.detach().clone().requires_grad_() for t in (x[0, begin:end], weight, h0[idx])]
+
+            y, ht = reference_conv(*leaves)
+
+            torch.autograd.backward([y, ht], [dy[0, begin:end], dht[idx]])
+
+            assert leaves[1].grad is not None
+
+            expected_dweight += leaves[1].grad
+
+            assert_close(f"y of document {idx}", y, actual["y"][0, begin:end], 1e-6)
+            assert_close(f"ht of document {idx}", ht, actual["ht"][idx], 1e-6)
+
+            assert_close(f"dx of document {idx}", leaves[0].grad, actual["dx"][0, begin:end], 1e-6)  # type: ignore[arg-type]
+
+            assert_close(f"dh0 of document {idx}", leaves[2].grad, actual["dh0"][idx], 1e-6)  # type: ignore[arg-type]
+
+            begin = end
+
+        assert_close("dweight", expected_dweight, actual["dweight"], 1e-6)
+
+    @pytest.mark.parametrize("width", [2, 4], ids=["W2", "W4"])
+    def test_regular_batch_matches_conv1d_per_row(self, width: int) -> None:
+        gen = torch.Generator().manual_seed(32)
+
+        x = torch.randn(3, 50, 16, generator=gen)
+        weight = torch.randn(16, width, generator=gen)
+        h0 = torch.randn(3, 16, width - 1, generator=gen)
+        dy = torch.randn(3, 50, 16, generator=gen)
+        dht = torch.randn(3, 16, width - 1, generator=gen)
+
+        actual = run_with_grads(x, weight, h0, dy, dht)
+
+        packed = run_with_grads(
+            x.flatten(0, 1)[None], weight, h0, dy.flatten(0, 1)[None], dht, cu_seqlens=cu_seqlens_of([50] * 3)
+        )
+
+        expected = [reference_conv(x[b], weight, h0[b]) for b in range(3)]
+
+        assert_close("y", torch.stack([y for y, _ in expected]), actual["y"], 1e-6)
+        assert_close("ht", torch.stack([ht for _, ht in expected]), actual["ht"], 1e-6)
+
+        # A regular batch and the same rows packed take different paths.
+        for name in actual:
+            assert_close(f"{name} packed", actual[name], packed[name].view(actual[name].shape), 1e-6)
+
+    @pytest.mark.parametrize("packed", [False, True], ids=["regular", "packed"])
+    def test_backward_passes_gradcheck_in_float64(self, packed: bool) -> None:
+        gen = torch.Generator().manual_seed(34)
+
+        x = torch.randn(1 if packed else 2, 9, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+        weight = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+        h0 = torch.randn(3 if packed else 2, 3, 3, generator=gen, dtype=torch.float64, requires_grad=True)
+
+        cu_seqlens = torch.tensor([0, 2, 2, 9]) if packed else None
+
+        def fn(x: Tensor, weight: Tensor, h0: Tensor) -> tuple[Tensor, Tensor | None]:
+            return causal_conv1d(x, weight, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+        assert torch.autograd.gradcheck(fn, (x, weight, h0), fast_mode=True)
+
+    def test_no_activation_is_the_plain_convolution(self) -> None:
+        x, weight = torch.randn(1, 20, 8), torch.randn(8, 4)
+
+        y, _ = causal_conv1d(x, weight, activation=None)
+
+        expected = F.conv1d(F.pad(x[0].T, (3, 0))[None], weight[:, None, :], groups=8)[0].T
+
+        assert_close("y", expected, y[0], 1e-6)
+
+    @pytest.mark.parametrize("pieces", [[100], [40, 1, 2, 57], [1, 1, 1, 97]], ids=["100", "40-1-2-57", "1-1-1-97"])
+    def test_state_carried_across_pieces_matches_one_pass(self, pieces: list[int]) -> None:
+        gen = torch.Generator().manual_seed(33)
+
+        x = torch.randn(2, 100, 16, generator=gen)
+        weight = torch.randn(16, 4, generator=gen)
+
+        expected_y, expected_ht = causal_conv1d(x, weight, output_final_state=True)
+
+        outputs, state, begin = [], None, 0
+
+        for length in pieces:
+            y, state = causal_conv1d(
+                x[:, begin : begin + length], weight, initial_state=state, output_final_state=True
+            )
+
+            outputs.append(y)
+
+            begin += length
+
+        assert expected_ht is not None and state is not None
+
+        assert_close("y", expected_y, torch.cat(outputs, dim=1), 1e-6)
+        assert_close("ht", expected_ht, state, 1e-6)
+
+    def test_inputs_are_left_unchanged(self) -> None:
+        x, weight, h0 = torch.randn(1, 30, 8), torch.randn(8, 4), torch.randn(2, 8, 3)
+
+        copies = [t.clone() for t in (x, weight, h0)]
+
+        run_with_grads(x, weight, h0, torch.ones(1, 30, 8), torch.ones(2, 8, 3), cu_seqlens=torch.tensor([0, 2, 30]))
+
+        for name, before, after in zip(("x", "weight", "h0"), copies, (x, weight, h0)):
+            assert torch.equal(before, after), f"`{name}` was modified in place"
+
+    def test_raises_error_when_initial_state_has_wrong_shape(self) -> None:
+        with pytest.raises(ValueError, match=r"`initial_state` must be of shape \[N, D, W - 1\] = \(2, 8, 3\)"):
+            causal_conv1d(
+                torch.randn(1, 10, 8), torch.randn(8, 4), initial_state=torch.zeros(2, 8, 4), cu_seqlens=torch.tensor([0, 5, 10])
+            )
+
+    def test_raises_error_when_weight_has_wrong_shape(self) -> None:
+        with pytest.raises(ValueError, match=r"`weight` must be of shape \[D=8, W\]"):
+            causal_conv1d(torch.randn(1, 10, 8), torch.randn(4, 8))
+
+    def test_raises_error_when_cu_seqlens_is_inconsistent(self) -> None:
+        with pytest.raises(ValueError, match="must start at 0 and end at the sequence length T=10"):
+            causal_conv1d(torch.randn(1, 10, 8), torch.randn(8, 4), cu_seqlens=torch.tensor([0, 5, 9]))
+
+    def test_raises_error_when_batch_size_is_not_1_with_cu_seqlens(self) -> None:
+        with pytest.raises(ValueError, match="The batch size must be 1 when `cu_seqlens` is given, but is 2 instead"):
+            causal_conv1d(torch.randn(2, 10, 8), torch.randn(8, 4), cu_seqlens=torch.tensor([0, 10]))
+
+    def test_raises_error_when_activation_is_unknown(self) -> None:
+        with pytest.raises(ValueError, match="`activation` must be 'silu' or `None`, but is 'relu' instead"):
+            causal_conv1d(torch.randn(1, 10, 8), torch.randn(8, 4), activation="relu")  # type: ignore[arg-type]
