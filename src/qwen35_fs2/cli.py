@@ -1,0 +1,321 @@
+"""The ``fairseq2`` command (alias ``qwen35-fs2``): ``fairseq2 lm <recipe>``.
+
+fairseq2 0.8.1 installs no command of its own. This one runs our recipes
+through :func:`fairseq2.recipe.cli.main`, with these arguments::
+
+    fairseq2 lm <recipe> [OUTPUT_DIR] [--config FILE] [--set KEY=VALUE ...]
+                         [--dump-config] [--no-rich] [--checkpoint-dir DIR]
+
+- ``--config FILE`` (or ``--config-file FILE``) is the YAML configuration,
+  merged over the recipe's defaults. ``--config KEY=VALUE``, fairseq2's own
+  meaning of the option, is an override like ``--set KEY=VALUE``.
+- ``OUTPUT_DIR`` defaults to the ``output_dir`` of the configuration, and
+  otherwise to ``runs/<recipe>``. Running a recipe again with the same output
+  directory and configuration resumes from its last checkpoint.
+- ``fairseq2 lm export_hf ...`` hands its arguments to
+  :func:`qwen35_fs2.export_cli.main`.
+
+Every recipe also runs as ``python -m qwen35_fs2.recipes.<module>`` with the
+same arguments, and so under ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import sys
+from argparse import REMAINDER, ArgumentParser, Namespace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib import import_module
+from pathlib import Path
+from typing import Final, final
+from unittest import mock
+
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
+
+from fairseq2.recipe.base import Recipe
+
+LM_GROUP: Final = "lm"
+
+EXPORT_HF_COMMAND: Final = "export_hf"
+
+
+@final
+@dataclass(frozen=True)
+class RecipeCommand:
+    name: str
+
+    module: str
+    """The module of the recipe class; also runnable with ``python -m``."""
+
+    recipe_kls: str
+
+    help: str
+
+    def load_recipe(self) -> Recipe:
+        kls: Callable[[], Recipe] = getattr(import_module(self.module), self.recipe_kls)
+
+        return kls()
+
+
+RECIPE_COMMANDS: Final = (
+    RecipeCommand(
+        "instruction_finetune",
+        "qwen35_fs2.recipes.sft",
+        "InstructionFinetuneRecipe",
+        "supervised fine-tuning on instruction data (GSM8K) in the Qwen3.5 chat format",
+    ),
+    RecipeCommand(
+        "train",
+        "qwen35_fs2.recipes.train",
+        "PretrainRecipe",
+        "continued pretraining on parquet text shards (FineWeb-Edu)",
+    ),
+    RecipeCommand(
+        "generate",
+        "qwen35_fs2.recipes.generate",
+        "GenerateRecipe",
+        "chat responses to the prompts of a file",
+    ),
+    RecipeCommand(
+        "eval_gsm8k",
+        "qwen35_fs2.recipes.eval_gsm8k",
+        "EvalGsm8kRecipe",
+        "greedy GSM8K answers and their exact-match accuracy",
+    ),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs ``fairseq2 <group> <command> ...`` and returns the exit code."""
+    if argv is None:
+        argv = sys.argv[1:]
+
+    parser = ArgumentParser(
+        prog="fairseq2", description="Qwen3.5 recipes for fairseq2."
+    )
+
+    groups = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
+
+    lm_parser = groups.add_parser(LM_GROUP, help="language-model recipes")
+
+    commands = lm_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    for command in RECIPE_COMMANDS:
+        _add_recipe_arguments(commands.add_parser(command.name, help=command.help))
+
+    export_parser = commands.add_parser(
+        EXPORT_HF_COMMAND,
+        help="export a checkpoint to the Hugging Face format",
+        add_help=False,
+    )
+
+    export_parser.add_argument("export_args", nargs=REMAINDER)
+
+    args = parser.parse_args(argv)
+
+    if args.command == EXPORT_HF_COMMAND:
+        return _run_export_hf(args.export_args)
+
+    command = next(c for c in RECIPE_COMMANDS if c.name == args.command)
+
+    return _run_recipe(command, args, parser)
+
+
+def run_recipe_module(command_name: str) -> int:
+    """Runs the recipe ``command_name`` with the arguments of this process, for
+    the ``__main__`` module of each recipe."""
+    return main([LM_GROUP, command_name, *sys.argv[1:]])
+
+
+def _add_recipe_arguments(parser: ArgumentParser) -> None:
+    parser.add_argument(
+        "output_dir",
+        type=Path,
+        nargs="?",
+        metavar="OUTPUT_DIR",
+        help="directory of the logs, metrics and checkpoints (default: `output_dir` of the configuration, or runs/<recipe>)",
+    )
+
+    parser.add_argument(
+        "--config",
+        dest="config_args",
+        metavar="FILE|KEY=VALUE",
+        action="append",
+        default=[],
+        help="the YAML configuration file; a KEY=VALUE item is an override as with --set",
+    )
+
+    parser.add_argument(
+        "--config-file",
+        type=Path,
+        metavar="FILE",
+        help="the YAML configuration file",
+    )
+
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        nargs="+",
+        action="extend",
+        default=[],
+        help="configuration overrides; VALUE is YAML, e.g. --set regime.num_steps=100 'dataset.train=[{path: data/train.jsonl}]'",
+    )
+
+    parser.add_argument(
+        "--dump-config",
+        action="store_true",
+        help="print the merged configuration and exit",
+    )
+
+    parser.add_argument(
+        "--no-rich",
+        action="store_true",
+        help="log plain text, without progress bars",
+    )
+
+    parser.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="directory of the checkpoints (default: OUTPUT_DIR/checkpoints)",
+    )
+
+    parser.add_argument(
+        "--no-exit-on-error",
+        action="store_true",
+        help="raise errors instead of logging them and exiting",
+    )
+
+
+def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser) -> int:
+    config_files = [] if args.config_file is None else [args.config_file]
+
+    overrides = []
+
+    for item in args.config_args:
+        if "=" in item and not Path(item).is_file():
+            overrides.append(item)
+        else:
+            config_files.append(Path(item))
+
+    overrides.extend(args.overrides)
+
+    # `--set` takes every argument after it; a last one that is no override is
+    # the output directory.
+    if args.output_dir is None and overrides and "=" not in overrides[-1]:
+        args.output_dir = Path(overrides.pop())
+
+    if len(config_files) > 1:
+        parser.error(
+            f"one configuration file can be given, but {len(config_files)} are: {', '.join(map(str, config_files))}"
+        )
+
+    config_file = config_files[0] if config_files else None
+
+    for item in overrides:
+        if "=" not in item:
+            parser.error(f"overrides must be KEY=VALUE, but '{item}' is not")
+
+    fairseq2_argv = [f"fairseq2 {LM_GROUP} {command.name}"]
+
+    if not args.dump_config:
+        output_dir = args.output_dir
+
+        if output_dir is None:
+            output_dir = _find_output_dir(config_file, overrides, parser)
+
+        if output_dir is None:
+            output_dir = Path("runs", command.name)
+
+        fairseq2_argv.append(str(output_dir))
+
+    if config_file is not None:
+        fairseq2_argv += ["--config-file", str(config_file)]
+
+    if args.checkpoint_dir is not None:
+        fairseq2_argv += ["--checkpoint-dir", str(args.checkpoint_dir)]
+
+    for flag in ("dump_config", "no_rich", "no_exit_on_error"):
+        if getattr(args, flag):
+            fairseq2_argv.append("--" + flag.replace("_", "-"))
+
+    # fairseq2's `--config` takes every argument after it.
+    if overrides:
+        fairseq2_argv += ["--config", *overrides]
+
+    recipe = command.load_recipe()
+
+    from fairseq2.recipe.cli import main as fairseq2_main
+
+    # `fairseq2.recipe.cli.main` parses `sys.argv` and exits on errors.
+    with mock.patch.object(sys, "argv", fairseq2_argv):
+        fairseq2_main(recipe)
+
+    return 0
+
+
+def _find_output_dir(
+    config_file: Path | None, overrides: Sequence[str], parser: ArgumentParser
+) -> Path | None:
+    """Returns the last ``output_dir`` of the overrides, or else of the
+    configuration file."""
+    yaml = YAML(typ="safe", pure=True)
+
+    for item in reversed(overrides):
+        key, value = item.split("=", maxsplit=1)
+
+        if key.strip().removeprefix("set:") == "output_dir":
+            try:
+                return _as_output_dir(yaml.load(value.strip()), "--set output_dir", parser)
+            except YAMLError:
+                parser.error(f"output_dir must be a path, but is '{value}'")
+
+    if config_file is None or not config_file.is_file():
+        # fairseq2 reports a missing file.
+        return None
+
+    try:
+        documents = list(yaml.load_all(config_file.read_text(encoding="utf-8")))
+    except (OSError, YAMLError):
+        # fairseq2 reports an unreadable file.
+        return None
+
+    if not documents or not isinstance(documents[0], dict):
+        return None
+
+    return _as_output_dir(documents[0].get("output_dir"), str(config_file), parser)
+
+
+def _as_output_dir(value: object, origin: str, parser: ArgumentParser) -> Path | None:
+    if value is None:
+        return None
+
+    if not isinstance(value, str):
+        parser.error(f"`output_dir` of {origin} must be a path, but is {value!r}")
+
+    return Path(value)
+
+
+def _run_export_hf(argv: Sequence[str]) -> int:
+    try:
+        export_cli = import_module("qwen35_fs2.export_cli")
+    except ModuleNotFoundError as ex:
+        if ex.name != "qwen35_fs2.export_cli":
+            raise
+
+        print(
+            "fairseq2: error: `fairseq2 lm export_hf` is not available in this installation (qwen35_fs2.export_cli is missing).",
+            file=sys.stderr,
+        )
+
+        return 2
+
+    ret: int = export_cli.main(argv)
+
+    return ret
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Parts shared by the Qwen3.5 language-model recipes: the loss of a batch,
+the training and validation units, vocabulary checks and metric names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeAlias, cast, final
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from typing_extensions import override
+
+from fairseq2.data.tokenizers import Tokenizer
+from fairseq2.error import InternalError
+from fairseq2.datasets import SequenceBatch
+from fairseq2.recipe.evaluator import EvalUnit
+from fairseq2.logging import log
+from fairseq2.metrics import Mean, MetricBag
+from fairseq2.metrics.common import (
+    add_nll_loss_metric,
+    add_seq_batch_metrics,
+    update_nll_loss_metric,
+    update_seq_batch_metrics,
+)
+from fairseq2.metrics.formatters import format_as_float, format_as_int
+from fairseq2.metrics.recorders import MetricDescriptor
+from fairseq2.models.clm import CausalLM
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.recipe.cli import register_cli_error
+from fairseq2.recipe.error import RecipeError
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.recipe.trainer import TrainUnit
+from fairseq2.utils.validation import ValidationResult
+
+from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
+from qwen35_fs2.models.moe import Qwen35MoeBlock, collect_moe_statistics
+
+AuxLossFn: TypeAlias = Callable[[], Tensor]
+"""
+Returns the unweighted auxiliary loss of the last forward pass of the model
+(the load-balancing loss of its MoE layers).
+"""
+
+
+@dataclass(kw_only=True)
+class LMLossSection:
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    """
+    The number of tokens whose logits are computed at once. The fp32
+    log-probabilities of a chunk take ``chunk_size * 248320 * 4`` bytes with
+    the Qwen3.5 vocabulary.
+    """
+
+    aux_loss_weight: float = 0.001
+    """
+    The weight of the auxiliary loss of the model, the load-balancing loss of
+    MoE layers (``router_aux_loss_coef`` in Hugging Face). Dense models have
+    none.
+    """
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+
+        if self.chunk_size < 1:
+            result.add_error(
+                f"`chunk_size` must be greater than or equal to 1, but is {self.chunk_size} instead."
+            )
+
+        if self.aux_loss_weight < 0.0:
+            result.add_error(
+                f"`aux_loss_weight` must be greater than or equal to 0, but is {self.aux_loss_weight} instead."
+            )
+
+        return result
+
+
+def setup_lm_loss(model: Module, section: LMLossSection) -> Module:
+    """Installs the chunked loss with the configured chunk size, on models
+    created or loaded by the recipe."""
+    if not isinstance(model, TransformerLM):
+        raise RecipeError(
+            f"The model must be a `TransformerLM`, but is a `{type(model).__name__}` instead."
+        )
+
+    return install_chunked_lm_loss(model, chunk_size=section.chunk_size)
+
+
+def has_moe_layers(model: Module) -> bool:
+    return any(isinstance(m, Qwen35MoeBlock) for m in model.modules())
+
+
+def create_aux_loss_fn(model: Module) -> AuxLossFn | None:
+    """Returns the function that collects the load-balancing loss of the MoE
+    layers of ``model`` after each forward pass, or ``None`` if ``model`` has
+    no MoE layers."""
+    if not has_moe_layers(model):
+        return None
+
+    def collect_aux_loss() -> Tensor:
+        statistics = collect_moe_statistics(model)
+
+        if statistics is None:
+            raise InternalError("`statistics` is `None`.")
+
+        return statistics.load_balancing_loss
+
+    return collect_aux_loss
+
+
+class NonFiniteLossError(Exception):
+    """Raised when the loss of a training batch is NaN or infinite."""
+
+    step_nr: int
+    loss: float
+
+    def __init__(self, step_nr: int, loss: float, num_examples: int, num_targets: int) -> None:
+        super().__init__(
+            f"The loss of a training batch is {loss} at step {step_nr} ({num_examples} examples, {num_targets} target tokens). Lower the learning rate, check the data, or resume from an earlier checkpoint."
+        )
+
+        self.step_nr = step_nr
+        self.loss = loss
+
+
+def _handle_non_finite_loss_error(ex: NonFiniteLossError) -> int:
+    log.error("{} Training stopped.", ex)
+
+    return 3
+
+
+def register_lm_recipe_extras(container: DependencyContainer) -> None:
+    """Registers the metric names and error handlers of our LM recipes."""
+
+    def register(name: str, display_name: str, priority: int, formatter: Callable[[object], str]) -> None:
+        descriptor = MetricDescriptor(name, display_name, priority, formatter)
+
+        container.collection.register_instance(MetricDescriptor, descriptor)
+
+    register("aux_loss", "Auxiliary Loss", 105, format_as_float)
+    register("num_correct", "Number of Correct Answers", 210, format_as_int)
+
+    # In language-model recipes, elements are tokens. The later registration
+    # replaces fairseq2's name.
+    register("elements_per_second", "Tokens per Second", 810, format_as_int)
+
+    register_cli_error(container, NonFiniteLossError, _handle_non_finite_loss_error)
+
+
+def get_sft_pad_idx(tokenizer: Tokenizer) -> int:
+    """Returns the pad index of the tokenizer, which pads SFT batches and is
+    excluded from the loss."""
+    vocab_info = tokenizer.vocab_info
+
+    pad_idx = vocab_info.pad_idx
+
+    if pad_idx is None:
+        raise RecipeError(
+            "The tokenizer must have a pad token to batch SFT examples, but has none. Set `tokenizer.config_overrides.pad_token` to a token other than the end-of-sequence token."
+        )
+
+    if vocab_info.eos_idx == pad_idx:
+        raise RecipeError(
+            f"The end-of-sequence token ({pad_idx}) must differ from the pad token in SFT, or the model never learns to stop. Set `tokenizer.config_overrides.eos_token: <|im_end|>`."
+        )
+
+    return pad_idx
+
+
+def check_sft_vocabulary(model: TransformerLM, tokenizer: Tokenizer) -> None:
+    """Checks that the model and the tokenizer agree on the vocabulary and on
+    the pad token."""
+    _check_vocabulary_size(model, tokenizer)
+
+    pad_idx = get_sft_pad_idx(tokenizer)
+
+    if model.pad_idx != pad_idx:
+        raise RecipeError(
+            f"The pad index of the model ({model.pad_idx}) must match the pad token of the tokenizer ({pad_idx}). Set `model.config_overrides.pad_idx: {pad_idx}`."
+        )
+
+
+def check_pretraining_vocabulary(model: TransformerLM, tokenizer: Tokenizer) -> None:
+    """Checks that the model and the tokenizer agree on the vocabulary and that
+    the end-of-document targets count in the loss."""
+    vocab_info = tokenizer.vocab_info
+
+    _check_vocabulary_size(model, tokenizer)
+
+    if vocab_info.eos_idx is None:
+        raise RecipeError(
+            "The tokenizer must have an end-of-sequence token to separate documents, but has none."
+        )
+
+    if model.pad_idx is not None and model.pad_idx == vocab_info.eos_idx:
+        raise RecipeError(
+            f"The pad index of the model ({model.pad_idx}) must not be the end-of-document token, or the loss ignores every document end. Set `model.config_overrides.pad_idx: null`."
+        )
+
+
+def _check_vocabulary_size(model: TransformerLM, tokenizer: Tokenizer) -> None:
+    num_embeddings = model.final_proj.output_dim
+
+    vocab_size = tokenizer.vocab_info.size
+
+    if num_embeddings < vocab_size:
+        raise RecipeError(
+            f"The model must have at least as many embeddings as the tokenizer has tokens ({vocab_size}), but has {num_embeddings}."
+        )
+
+
+def get_batch_target_mask(batch: SequenceBatch) -> Tensor | None:
+    """Returns the mask of the targets of ``batch`` that count in the loss:
+    its own target mask, or else its non-pad positions if it is padded."""
+    if batch.target_mask is not None:
+        return batch.target_mask
+
+    if batch.padding == 0:
+        return None
+
+    seqs = batch.seqs
+
+    if batch.packed:
+        return torch.arange(seqs.size(0), device=seqs.device) < batch.num_elements
+
+    seq_lens = torch.tensor(batch.seq_lens, device=seqs.device)
+
+    positions = torch.arange(seqs.size(1), device=seqs.device)
+
+    return positions.unsqueeze(0) < seq_lens.unsqueeze(1)
+
+
+@final
+class LMLossComputer:
+    """Computes the summed next-token loss of a batch, adds the weighted
+    auxiliary loss of the model, and updates the metrics."""
+
+    def __init__(
+        self,
+        model: Module,
+        aux_loss_fn: AuxLossFn | None = None,
+        aux_loss_weight: float = 0.0,
+    ) -> None:
+        self._model = model
+        self._aux_loss_fn = aux_loss_fn
+        self._aux_loss_weight = aux_loss_weight
+
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        add_nll_loss_metric(metric_bag)
+
+        add_seq_batch_metrics(metric_bag)
+
+        if self._aux_loss_fn is not None:
+            metric_bag.add("aux_loss", Mean())
+
+    def __call__(self, batch: SequenceBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
+        model = cast(CausalLM, self._model)
+
+        input_batch, target_batch = batch.as_auto_regressive()
+
+        seqs, seqs_layout = input_batch.as_input()
+
+        nll_loss = model(
+            seqs,
+            seqs_layout,
+            targets=target_batch.seqs,
+            target_mask=get_batch_target_mask(target_batch),
+            reduction="sum",
+        )
+
+        num_targets = target_batch.num_target_elements
+
+        update_nll_loss_metric(metric_bag, nll_loss, num_targets=num_targets)
+
+        update_seq_batch_metrics(metric_bag, target_batch)
+
+        loss = nll_loss
+
+        # The auxiliary loss of the model (MoE load balancing) is a per-batch
+        # mean, while `loss` is summed over targets and normalized by their
+        # number after the backward pass: scale it alike.
+        if self._aux_loss_fn is not None:
+            aux_loss = self._aux_loss_fn()
+
+            metric_bag.get("aux_loss", Mean).update(aux_loss.detach())
+
+            loss = loss + (self._aux_loss_weight * num_targets) * aux_loss
+
+        return loss, num_targets
+
+
+@final
+class LMTrainUnit(TrainUnit[SequenceBatch]):
+    """Trains a causal language model on the targets of each batch (all tokens
+    in pretraining, the response tokens in SFT)."""
+
+    def __init__(self, loss_computer: LMLossComputer) -> None:
+        self._loss_computer = loss_computer
+        self._step_nr = 0
+
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        self._loss_computer.prepare_metric_bag(metric_bag)
+
+    @override
+    def set_step_nr(self, step_nr: int) -> None:
+        self._step_nr = step_nr
+
+    @override
+    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
+        loss, num_targets = self._loss_computer(batch, metric_bag)
+
+        # A non-finite loss would silently turn every weight into NaN. The
+        # process exits, so `torchrun` and `srun` end the other ranks too.
+        if not torch.isfinite(loss.detach()).item():
+            raise NonFiniteLossError(self._step_nr, float(loss), batch.num_examples, num_targets)
+
+        return loss, num_targets
+
+
+@final
+class LMLossEvalUnit(EvalUnit[SequenceBatch]):
+    """Reports the next-token loss of validation batches."""
+
+    def __init__(self, loss_computer: LMLossComputer) -> None:
+        self._loss_computer = loss_computer
+
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        self._loss_computer.prepare_metric_bag(metric_bag)
+
+    @override
+    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
+        self._loss_computer(batch, metric_bag)

@@ -1,0 +1,138 @@
+"""``lm eval_gsm8k``: greedy answers to GSM8K questions with incremental
+decoding, their final numbers, and the exact-match accuracy against the
+references. Writes every generation to ``OUTPUT_DIR/gsm8k/rank_<r>.jsonl``."""
+
+from __future__ import annotations
+
+from typing import TextIO, final
+
+from typing_extensions import override
+
+from fairseq2.assets import AssetDownloadManager
+from fairseq2.data.tokenizers import Tokenizer
+from fairseq2.datasets import SequenceBatch
+from fairseq2.generation import SequenceGenerator
+from fairseq2.metrics import Mean, MetricBag, Sum
+from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
+from fairseq2.recipe.base import Recipe, RecipeContext
+from fairseq2.recipe.generator import GeneratorUnit
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.task import Task
+
+from qwen35_fs2.recipes.common import register_lm_recipe_extras
+from qwen35_fs2.recipes.eval_gsm8k.config import EvalGsm8kConfig
+from qwen35_fs2.recipes.generation import (
+    create_prompt_reader,
+    generate_responses,
+    get_batch_examples,
+    open_output_stream,
+    write_jsonl,
+)
+from qwen35_fs2.recipes.gsm8k import extract_final_answer
+from qwen35_fs2.recipes.instruction import InstructionDataError, read_instruction_examples
+
+
+@final
+class EvalGsm8kRecipe(Recipe):
+    @override
+    def register(self, container: DependencyContainer) -> None:
+        register_lm_recipe_extras(container)
+
+    @override
+    def create_task(self, context: RecipeContext) -> Task:
+        config = context.get_config_as(EvalGsm8kConfig)
+
+        section = config.dataset
+
+        download_manager = context.resolver.resolve(AssetDownloadManager)
+
+        examples = read_instruction_examples(section.sources, download_manager)
+
+        if section.max_num_examples is not None:
+            examples = examples[: section.max_num_examples]
+
+        # A reference without a final answer would count as a wrong answer.
+        for example in examples:
+            if extract_final_answer(example["response"]) is None:
+                raise InstructionDataError(
+                    f"The reference answer of example {example['id']} must end with a number (`#### <number>`), but has none."
+                )
+
+        tokenizer = context.get_tokenizer()
+
+        reader = create_prompt_reader(
+            examples,
+            tokenizer,
+            context.gangs,
+            batch_size=section.batch_size,
+            prefetch=section.prefetch,
+        )
+
+        unit = Gsm8kEvalUnit(
+            context.get_seq_generator(), tokenizer, open_output_stream(context, "gsm8k")
+        )
+
+        return context.create_generator(unit, reader)
+
+    @property
+    @override
+    def config_kls(self) -> type[object]:
+        return EvalGsm8kConfig
+
+
+@final
+class Gsm8kEvalUnit(GeneratorUnit[SequenceBatch]):
+    def __init__(
+        self,
+        generator: SequenceGenerator,
+        tokenizer: Tokenizer,
+        output_stream: TextIO | None,
+    ) -> None:
+        self._generator = generator
+        self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
+        self._output_stream = output_stream
+
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        add_seq_generator_metrics(metric_bag)
+
+        metric_bag.add("accuracy", Mean())
+        metric_bag.add("num_correct", Sum())
+
+    @override
+    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
+        examples = get_batch_examples(batch)
+
+        output, responses = generate_responses(self._generator, self._decoder, batch)
+
+        update_seq_generator_metrics(metric_bag, output)
+
+        records = []
+
+        num_correct = 0
+
+        for example, response in zip(examples, responses):
+            answer = extract_final_answer(response)
+
+            reference = extract_final_answer(example["response"])
+
+            correct = answer is not None and answer == reference
+
+            num_correct += int(correct)
+
+            records.append(
+                {
+                    "id": example["id"],
+                    "question": example["prompt"],
+                    "reference": example["response"],
+                    "generation": response,
+                    "reference_answer": reference,
+                    "answer": answer,
+                    "correct": correct,
+                }
+            )
+
+        metric_bag.get("accuracy", Mean).update(num_correct / len(examples), weight=len(examples))
+        metric_bag.get("num_correct", Sum).update(num_correct)
+
+        write_jsonl(self._output_stream, records)

@@ -1,0 +1,50 @@
+"""The configuration of ``lm generate``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fairseq2.recipe.config import (
+    CommonSection,
+    GangSection,
+    GeneratorSection,
+    ReferenceModelSection,
+    SamplingConfig,
+    SequenceGeneratorSection,
+    TokenizerSection,
+)
+
+from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.recipes.generation import PromptDatasetSection
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    output_dir: Path | None = None
+    """
+    Where the run writes its logs and generations, if the command line names
+    none. If ``None``, ``runs/generate``.
+    """
+
+    model: ReferenceModelSection = field(
+        default_factory=lambda: ReferenceModelSection(name="qwen35_0.8b")
+    )
+
+    dataset: PromptDatasetSection = field(default_factory=lambda: PromptDatasetSection())
+
+    tokenizer: TokenizerSection = field(
+        default_factory=lambda: TokenizerSection(name=QWEN35_TOKENIZER_ASSET)
+    )
+
+    gang: GangSection = field(default_factory=lambda: GangSection())
+
+    generator: GeneratorSection = field(default_factory=lambda: GeneratorSection())
+
+    seq_generator: SequenceGeneratorSection = field(
+        default_factory=lambda: SequenceGeneratorSection(
+            config=SamplingConfig(max_gen_len=1024)
+        )
+    )
+
+    common: CommonSection = field(default_factory=lambda: CommonSection())

@@ -1,0 +1,105 @@
+"""``lm generate``: chat responses to the prompts of parquet or JSONL files,
+written to ``OUTPUT_DIR/generations/rank_<r>.jsonl``."""
+
+from __future__ import annotations
+
+from typing import TextIO, final
+
+from typing_extensions import override
+
+from fairseq2.assets import AssetDownloadManager
+from fairseq2.data.tokenizers import Tokenizer
+from fairseq2.datasets import SequenceBatch
+from fairseq2.generation import SequenceGenerator
+from fairseq2.metrics import MetricBag
+from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
+from fairseq2.recipe.base import Recipe, RecipeContext
+from fairseq2.recipe.generator import GeneratorUnit
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.task import Task
+
+from qwen35_fs2.recipes.common import register_lm_recipe_extras
+from qwen35_fs2.recipes.generate.config import GenerateConfig
+from qwen35_fs2.recipes.generation import (
+    create_prompt_reader,
+    generate_responses,
+    get_batch_examples,
+    open_output_stream,
+    write_jsonl,
+)
+from qwen35_fs2.recipes.instruction import read_instruction_examples
+
+
+@final
+class GenerateRecipe(Recipe):
+    @override
+    def register(self, container: DependencyContainer) -> None:
+        register_lm_recipe_extras(container)
+
+    @override
+    def create_task(self, context: RecipeContext) -> Task:
+        config = context.get_config_as(GenerateConfig)
+
+        section = config.dataset
+
+        download_manager = context.resolver.resolve(AssetDownloadManager)
+
+        examples = read_instruction_examples(
+            section.sources, download_manager, require_response=False
+        )
+
+        if section.max_num_examples is not None:
+            examples = examples[: section.max_num_examples]
+
+        tokenizer = context.get_tokenizer()
+
+        reader = create_prompt_reader(
+            examples,
+            tokenizer,
+            context.gangs,
+            batch_size=section.batch_size,
+            prefetch=section.prefetch,
+        )
+
+        unit = GenerateUnit(
+            context.get_seq_generator(), tokenizer, open_output_stream(context, "generations")
+        )
+
+        return context.create_generator(unit, reader)
+
+    @property
+    @override
+    def config_kls(self) -> type[object]:
+        return GenerateConfig
+
+
+@final
+class GenerateUnit(GeneratorUnit[SequenceBatch]):
+    def __init__(
+        self,
+        generator: SequenceGenerator,
+        tokenizer: Tokenizer,
+        output_stream: TextIO | None,
+    ) -> None:
+        self._generator = generator
+        self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
+        self._output_stream = output_stream
+
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        add_seq_generator_metrics(metric_bag)
+
+    @override
+    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
+        examples = get_batch_examples(batch)
+
+        output, responses = generate_responses(self._generator, self._decoder, batch)
+
+        update_seq_generator_metrics(metric_bag, output)
+
+        records = [
+            {"id": example["id"], "prompt": example["prompt"], "response": response}
+            for example, response in zip(examples, responses)
+        ]
+
+        write_jsonl(self._output_stream, records)

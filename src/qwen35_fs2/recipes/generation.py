@@ -1,0 +1,171 @@
+"""Parts shared by the inference recipes ``lm generate`` and ``lm
+eval_gsm8k``: prompts read like instruction examples, rendered as chat
+generation prompts, and responses generated with fairseq2's sequence
+generators (incremental decoding)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO, cast
+
+from fairseq2.data import Collater
+from fairseq2.data.data_pipeline import SequenceData, read_sequence
+from fairseq2.data.tokenizers import TokenDecoder, Tokenizer
+from fairseq2.datasets import DataPipelineReader, DataReadError, SequenceBatch, SyncMode
+from fairseq2.error import InternalError
+from fairseq2.file_system import FileMode
+from fairseq2.gang import Gangs
+from fairseq2.generation import SequenceGenerator, SequenceGeneratorOutput
+from fairseq2.recipe.base import RecipeContext
+from fairseq2.utils.validation import ValidationResult
+
+from qwen35_fs2.recipes.instruction import ChatEncoder, InstructionExample, InstructionSource
+
+
+@dataclass(kw_only=True)
+class PromptDatasetSection:
+    sources: list[InstructionSource] = field(default_factory=list)
+    """The prompts: the ``question`` or ``src`` of each row."""
+
+    batch_size: int = 8
+    """The number of prompts generated for at once on each rank."""
+
+    max_num_examples: int | None = None
+    """If not ``None``, only the first prompts of the sources."""
+
+    prefetch: int = 2
+    """The number of batches prepared in the background."""
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+
+        if not self.sources:
+            result.add_error("`sources` must have at least one source, but has none.")
+
+        if self.batch_size < 1:
+            result.add_error(
+                f"`batch_size` must be greater than or equal to 1, but is {self.batch_size} instead."
+            )
+
+        if self.max_num_examples is not None and self.max_num_examples < 1:
+            result.add_error(
+                f"`max_num_examples` must be greater than or equal to 1, but is {self.max_num_examples} instead."
+            )
+
+        if self.prefetch < 0:
+            result.add_error(
+                f"`prefetch` must be greater than or equal to 0, but is {self.prefetch} instead."
+            )
+
+        return result
+
+
+def create_prompt_reader(
+    examples: Sequence[InstructionExample],
+    tokenizer: Tokenizer,
+    gangs: Gangs,
+    *,
+    batch_size: int,
+    prefetch: int,
+) -> DataPipelineReader[SequenceBatch]:
+    """Returns a reader of this rank's share of ``examples`` as right-padded
+    batches of generation prompts; ``batch.example`` holds the examples."""
+    encoder = ChatEncoder(tokenizer)
+
+    def encode(example: InstructionExample) -> dict[str, Any]:
+        return {**example, "indices": encoder.encode_prompt(example["prompt"])}
+
+    vocab_info = tokenizer.vocab_info
+
+    # The generator reads the prompt lengths, not the pad value.
+    pad_idx = vocab_info.pad_idx if vocab_info.pad_idx is not None else vocab_info.eos_idx
+
+    builder = read_sequence(list(examples))
+
+    builder.shard(gangs.dp.rank, gangs.dp.size, allow_uneven=True)
+
+    builder.map(encode)
+
+    builder.bucket(batch_size)
+
+    builder.map(Collater(pad_value=pad_idx))
+
+    builder.prefetch(prefetch)
+
+    def to_batch(data: dict[str, Any]) -> SequenceBatch:
+        indices = cast(SequenceData, data.pop("indices"))
+
+        return SequenceBatch(indices["seqs"], indices["seq_lens"], example=data)
+
+    pipeline = builder.map(to_batch).and_return()
+
+    # Ranks with fewer prompts wait for the others instead of cutting them
+    # short.
+    return DataPipelineReader[SequenceBatch](
+        pipeline, gangs, sync=True, sync_mode=SyncMode.UNTIL_LAST
+    )
+
+
+def open_output_stream(context: RecipeContext, name: str) -> TextIO | None:
+    """Opens ``OUTPUT_DIR/<name>/rank_<dp_rank>.jsonl`` on the first rank of
+    each tensor-parallel group, and returns ``None`` on the others."""
+    gangs = context.gangs
+
+    if gangs.tp.rank != 0:
+        return None
+
+    file = context.output_dir.joinpath(name, f"rank_{gangs.dp.rank}.jsonl")
+
+    file_system = context.file_system
+
+    file_system.make_directory(file.parent)
+
+    return file_system.open_text(file, mode=FileMode.WRITE)
+
+
+def get_batch_examples(batch: SequenceBatch) -> list[dict[str, str]]:
+    """Returns the examples of a batch of :func:`create_prompt_reader`."""
+    data = batch.example
+
+    if not isinstance(data, Mapping):
+        raise DataReadError(
+            f"`batch.example` must be a mapping, but is of type `{type(data)}` instead."
+        )
+
+    columns = {key: data[key] for key in ("id", "prompt", "response")}
+
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def generate_responses(
+    generator: SequenceGenerator, decoder: TokenDecoder, batch: SequenceBatch
+) -> tuple[SequenceGeneratorOutput, list[str]]:
+    """Generates for the prompts of ``batch`` and returns the output and the
+    decoded first hypothesis of each prompt."""
+    seqs, seqs_layout = batch.as_input()
+
+    output = generator(seqs, seqs_layout)
+
+    responses = []
+
+    for hypotheses in output.hypotheses:
+        if not hypotheses:
+            raise InternalError("The sequence generator returned no hypothesis.")
+
+        responses.append(decoder(hypotheses[0].seq))
+
+    return output, responses
+
+
+def write_jsonl(stream: TextIO | None, records: Sequence[Mapping[str, object]]) -> None:
+    if stream is None:
+        return
+
+    for record in records:
+        stream.write(json.dumps(record, ensure_ascii=False))
+        stream.write("\n")
+
+    stream.flush()
+

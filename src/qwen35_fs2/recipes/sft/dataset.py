@@ -1,0 +1,257 @@
+"""Batches of chat-encoded instruction examples for SFT, padded or packed.
+
+A padded batch is a ``(N, S)`` :class:`SequenceBatch` right-padded with the
+pad token; a packed batch lays its examples end to end in one 1-D
+``SequenceBatch(packed=True)`` whose ``seq_lens`` keep them apart, so
+attention and Gated DeltaNet never mix two examples. Both carry a
+``target_mask`` that is ``True`` on the response tokens only, so a packed
+batch and a padded batch of the same examples have the same per-example
+losses. After :meth:`SequenceBatch.as_auto_regressive` the last position of
+a packed example predicts the first token of the next one, a prompt token,
+which the mask excludes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, final
+
+import torch
+
+from fairseq2.data import CollateOptionsOverride, Collater, create_bucket_sizes
+from fairseq2.data.data_pipeline import DataPipeline, DataPipelineBuilder, read_sequence
+from fairseq2.datasets import DataPipelineReader, SequenceBatch, SyncMode
+from fairseq2.gang import Gangs
+from fairseq2.logging import log
+
+from qwen35_fs2.recipes.instruction import (
+    ChatEncoder,
+    InstructionDataError,
+    InstructionExample,
+)
+
+EncodedExample = dict[str, Any]
+"""A chat-encoded example: ``id``, ``indices`` and ``target_mask``."""
+
+
+@final
+class SFTBatching:
+    """How examples are grouped into batches.
+
+    :param max_seq_len: Longer examples are skipped, with a warning.
+    :param max_num_tokens: The maximum number of tokens of a batch, padding
+        included; a multiple of ``max_seq_len`` for padded batches. Ignored if
+        ``batch_size`` is set.
+    :param batch_size: If not ``None``, every padded batch has this many
+        examples (the last one may have fewer).
+    :param packing: If ``True``, batches are packed instead of padded.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_seq_len: int,
+        max_num_tokens: int,
+        batch_size: int | None = None,
+        packing: bool = False,
+    ) -> None:
+        if packing and batch_size is not None:
+            raise ValueError("`batch_size` must be `None` when `packing` is `True`.")
+
+        if max_num_tokens < max_seq_len:
+            raise ValueError(
+                f"`max_num_tokens` must be greater than or equal to `max_seq_len` ({max_seq_len}), but is {max_num_tokens} instead."
+            )
+
+        # Length buckets hold `max_num_tokens // seq_len` examples.
+        if not packing and batch_size is None and max_num_tokens % max_seq_len != 0:
+            raise ValueError(
+                f"`max_num_tokens` must be a multiple of `max_seq_len` ({max_seq_len}) when padded batches are sized by it, but is {max_num_tokens} instead."
+            )
+
+        self.max_seq_len = max_seq_len
+        self.max_num_tokens = max_num_tokens
+        self.batch_size = batch_size
+        self.packing = packing
+
+
+def create_sft_reader(
+    examples: Sequence[InstructionExample],
+    encoder: ChatEncoder,
+    gangs: Gangs,
+    batching: SFTBatching,
+    *,
+    pad_idx: int,
+    split_name: str,
+    shuffle_window: int | None,
+    seed: int,
+    num_accumulate: int = 1,
+    prefetch: int = 4,
+    sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
+) -> DataPipelineReader[SequenceBatch]:
+    """Returns a reader of this rank's share of ``examples``.
+
+    Examples are shuffled (the same way on every rank), then dealt to the
+    data-parallel ranks in turn. The reader's state (position, shuffle and
+    bucket buffers) is checkpointed by the trainer, so a resumed run reads
+    exactly the batches an uninterrupted one would have.
+
+    :param shuffle_window: The size of the shuffle buffer, 0 to shuffle all
+        examples, ``None`` to keep the file order.
+    """
+    dp_size = gangs.dp.size
+
+    if len(examples) < dp_size:
+        raise InstructionDataError(
+            f"The {split_name} split must have at least as many examples as data-parallel ranks ({dp_size}), but has {len(examples)}."
+        )
+
+    builder = read_sequence(list(examples))
+
+    if shuffle_window is not None:
+        builder.shuffle(shuffle_window, seed=seed)
+
+    builder.shard(gangs.dp.rank, dp_size, allow_uneven=True)
+
+    builder.map(encoder)
+
+    builder.filter(_LengthFilter(batching.max_seq_len, split_name))
+
+    if batching.packing:
+        _pack(builder, batching.max_num_tokens)
+    else:
+        _pad(builder, batching, pad_idx)
+
+    builder.prefetch(prefetch)
+
+    pipeline = builder.map(_to_batch).and_return()
+
+    return DataPipelineReader[SequenceBatch](
+        pipeline, gangs, num_accumulate=num_accumulate, sync=True, sync_mode=sync_mode
+    )
+
+
+@final
+class _LengthFilter:
+    def __init__(self, max_seq_len: int, split_name: str) -> None:
+        self._max_seq_len = max_seq_len
+        self._split_name = split_name
+        self._num_skipped = 0
+
+    def __call__(self, example: EncodedExample) -> bool:
+        seq_len = len(example["indices"])
+
+        if seq_len <= self._max_seq_len:
+            return True
+
+        self._num_skipped += 1
+
+        log.warning("Skipped example {} of the {} split: its {} tokens exceed `max_seq_len` ({}); {} example(s) skipped on this rank so far.", example["id"], self._split_name, seq_len, self._max_seq_len, self._num_skipped)  # fmt: skip
+
+        return False
+
+
+def _pad(builder: DataPipelineBuilder, batching: SFTBatching, pad_idx: int) -> None:
+    if batching.batch_size is not None:
+        builder.bucket(batching.batch_size)
+    else:
+        bucket_sizes = create_bucket_sizes(
+            max_num_elements=batching.max_num_tokens, max_seq_len=batching.max_seq_len
+        )
+
+        builder.bucket_by_length(bucket_sizes, selector="indices")
+
+    collater = Collater(
+        pad_value=pad_idx, overrides=[CollateOptionsOverride("target_mask", pad_value=False)]
+    )
+
+    builder.map(collater)
+
+
+def _pack(builder: DataPipelineBuilder, max_num_tokens: int) -> None:
+    split = _PackSplitter(max_num_tokens)
+
+    builder.dynamic_bucket(
+        max_num_tokens, _get_num_tokens, bucket_creation_fn=split.split_keeping_remainder
+    )
+
+    # At the end of the data, `dynamic_bucket` returns its remainder as is,
+    # which may exceed `max_num_tokens`.
+    builder.yield_from(split.split_all)
+
+    builder.map(_collate_packed)
+
+
+def _get_num_tokens(example: EncodedExample) -> float:
+    return float(len(example["indices"]))
+
+
+@final
+class _PackSplitter:
+    """Splits a run of examples, in order, into packs of at most
+    ``max_num_tokens`` tokens."""
+
+    def __init__(self, max_num_tokens: int) -> None:
+        self._max_num_tokens = max_num_tokens
+
+    def _split(self, examples: Sequence[EncodedExample]) -> list[list[EncodedExample]]:
+        packs: list[list[EncodedExample]] = [[]]
+
+        num_tokens = 0
+
+        for example in examples:
+            seq_len = len(example["indices"])
+
+            if packs[-1] and num_tokens + seq_len > self._max_num_tokens:
+                packs.append([])
+
+                num_tokens = 0
+
+            packs[-1].append(example)
+
+            num_tokens += seq_len
+
+        return packs
+
+    def split_keeping_remainder(
+        self, examples: Sequence[EncodedExample]
+    ) -> tuple[list[list[EncodedExample]], list[EncodedExample]]:
+        # `dynamic_bucket` calls this once its examples reach
+        # `max_num_tokens`; the last, partial pack waits for more examples.
+        packs = self._split(examples)
+
+        return packs[:-1], packs[-1]
+
+    def split_all(self, examples: Sequence[EncodedExample]) -> DataPipeline:
+        return read_sequence(self._split(examples)).and_return()
+
+
+def _collate_packed(examples: Sequence[EncodedExample]) -> dict[str, Any]:
+    return {
+        "id": [e["id"] for e in examples],
+        "indices": torch.cat([e["indices"] for e in examples]),
+        "target_mask": torch.cat([e["target_mask"] for e in examples]),
+        "seq_lens": [len(e["indices"]) for e in examples],
+    }
+
+
+def _to_batch(data: dict[str, Any]) -> SequenceBatch:
+    if "seq_lens" in data:
+        return SequenceBatch(
+            data["indices"],
+            data["seq_lens"],
+            packed=True,
+            target_mask=data["target_mask"],
+            example={"id": data["id"]},
+        )
+
+    indices, target_mask = data["indices"], data["target_mask"]
+
+    return SequenceBatch(
+        indices["seqs"],
+        indices["seq_lens"],
+        target_mask=target_mask["seqs"],
+        example={"id": data["id"]},
+    )
+
+

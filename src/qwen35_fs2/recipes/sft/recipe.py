@@ -1,0 +1,140 @@
+"""``lm instruction_finetune``: supervised fine-tuning on instruction examples
+(GSM8K by default) rendered with the Qwen3.5 chat template; only the response
+tokens are targets."""
+
+from __future__ import annotations
+
+from typing import final
+
+from torch.nn import Module
+from typing_extensions import override
+
+from fairseq2.assets import AssetDownloadManager
+from fairseq2.datasets import SyncMode
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.recipe.base import Recipe, RecipeContext
+from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.task import Task
+
+from qwen35_fs2.recipes.common import (
+    LMLossComputer,
+    LMLossEvalUnit,
+    LMTrainUnit,
+    check_sft_vocabulary,
+    create_aux_loss_fn,
+    get_sft_pad_idx,
+    has_moe_layers,
+    register_lm_recipe_extras,
+    setup_lm_loss,
+)
+from qwen35_fs2.recipes.instruction import ChatEncoder, read_instruction_examples
+from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig
+from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
+
+
+@final
+class InstructionFinetuneRecipe(Recipe):
+    def __init__(self) -> None:
+        self._has_moe = False
+
+    @override
+    def register(self, container: DependencyContainer) -> None:
+        register_lm_recipe_extras(container)
+
+    @override
+    def setup_model(
+        self, context: RecipeContext, model: Module, newly_initialized: bool
+    ) -> Module:
+        config = context.get_config_as(InstructionFinetuneConfig)
+
+        self._has_moe = has_moe_layers(model)
+
+        return setup_lm_loss(model, config.loss)
+
+    @override
+    def has_static_autograd_graph(self, context: RecipeContext) -> bool:
+        # Experts that no token of a batch is routed to get no gradient.
+        return not self._has_moe
+
+    @override
+    def create_task(self, context: RecipeContext) -> Task:
+        config = context.get_config_as(InstructionFinetuneConfig)
+
+        section = config.dataset
+
+        # Read the data first: a bad file or split stops the run before the
+        # model is built.
+        download_manager = context.resolver.resolve(AssetDownloadManager)
+
+        train_examples = read_instruction_examples(section.train, download_manager)
+
+        valid_examples = (
+            read_instruction_examples(section.valid, download_manager)
+            if section.valid
+            else None
+        )
+
+        tokenizer = context.get_tokenizer()
+
+        pad_idx = get_sft_pad_idx(tokenizer)
+
+        encoder = ChatEncoder(tokenizer)
+
+        batching = SFTBatching(
+            max_seq_len=section.max_seq_len,
+            max_num_tokens=section.max_num_tokens,
+            batch_size=section.batch_size,
+            packing=section.packing,
+        )
+
+        train_reader = create_sft_reader(
+            train_examples,
+            encoder,
+            context.gangs,
+            batching,
+            pad_idx=pad_idx,
+            split_name="train",
+            shuffle_window=section.example_shuffle_window,
+            seed=config.common.seed,
+            num_accumulate=config.trainer.grad_accumulation.num_batches,
+            prefetch=section.prefetch,
+        )
+
+        if valid_examples is None:
+            valid_reader = None
+        else:
+            # Every rank evaluates all of its examples.
+            valid_reader = create_sft_reader(
+                valid_examples,
+                encoder,
+                context.gangs,
+                batching,
+                pad_idx=pad_idx,
+                split_name="valid",
+                shuffle_window=None,
+                seed=config.common.seed,
+                prefetch=section.prefetch,
+                sync_mode=SyncMode.UNTIL_LAST,
+            )
+
+        check_sft_vocabulary(context.get_model_as(TransformerLM), tokenizer)
+
+        dp_model = context.get_data_parallel_model()
+
+        aux_loss_fn = create_aux_loss_fn(dp_model)
+
+        loss_computer = LMLossComputer(dp_model, aux_loss_fn, config.loss.aux_loss_weight)
+
+        unit = LMTrainUnit(loss_computer)
+
+        if valid_reader is None:
+            return context.create_trainer(unit, train_reader)
+
+        valid_unit = LMLossEvalUnit(loss_computer)
+
+        return context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
+
+    @property
+    @override
+    def config_kls(self) -> type[object]:
+        return InstructionFinetuneConfig

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from qwen35_fs2.recipes.gsm8k import extract_final_answer
+
+# The last lines of real `openai/gsm8k` answers.
+_NATALIA = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
+
+
+class TestExtractFinalAnswer:
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            (_NATALIA, "72"),
+            ("He has 1,000 + 234 = <<1000+234=1234>>1234 stamps.\n#### 1,234", "1234"),
+            ("The temperature drops to 5-12 = <<5-12=-7>>-7 degrees.\n#### -7", "-7"),
+            ("Each costs 7/2 = <<7/2=3.5>>3.5 dollars.\n#### 3.5", "3.5"),
+            ("#### 0.25", "0.25"),
+            ("#### $18", "18"),
+            ("#### 1,234,567.50", "1234567.5"),
+            ("#### 12.00", "12"),
+            ("#### 3000", "3000"),
+            ("#### -0", "0"),
+            # The number after the last marker counts, not the calculator notes.
+            ("#### 5\nwait, recount: 2 + 4 = <<2+4=6>>6\n#### 6", "6"),
+        ],
+    )
+    def test_extracts_the_number_after_the_final_marker(self, text: str, expected: str) -> None:
+        assert extract_final_answer(text) == expected
+
+    def test_equal_numbers_in_other_notations_extract_equal(self) -> None:
+        notations = ["#### 1,234", "#### 1234", "#### 1234.0", "#### $1,234.00"]
+
+        assert {extract_final_answer(t) for t in notations} == {"1234"}
+
+    def test_takes_the_last_number_of_a_text_without_marker(self) -> None:
+        assert extract_final_answer("So she has 3 apples and 12 pears, 15 fruits.") == "15"
+
+        assert extract_final_answer("The balance is -222 dollars.") == "-222"
+
+    def test_does_not_read_list_commas_as_thousands_separators(self) -> None:
+        assert extract_final_answer("The numbers are 3,4") == "4"
+
+    @pytest.mark.parametrize("text", ["", "no numbers here", "#### ", "#### unknown"])
+    def test_returns_none_without_a_number(self, text: str) -> None:
+        assert extract_final_answer(text) is None

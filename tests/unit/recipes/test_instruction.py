@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest.mock import Mock
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from fairseq2.assets import AssetDownloadManager
+from fairseq2.utils.uri import Uri
+
+from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.recipes.instruction import (
+    ChatEncoder,
+    InstructionDataError,
+    InstructionSource,
+    read_instruction_examples,
+)
+from qwen35_fs2.recipes.synthetic import materialize_synthetic_dataset
+
+
+def _read(*sources: InstructionSource, require_response: bool = True) -> list[dict[str, str]]:
+    # Local files are never downloaded.
+    download_manager = Mock(spec=AssetDownloadManager)
+
+    download_manager.download_dataset.side_effect = AssertionError("A local source must not be downloaded.")
+
+    return read_instruction_examples(sources, download_manager, require_response=require_response)
+
+
+def _write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+    return path
+
+
+def _write_gsm8k_parquet(path: Path, questions: list[str], answers: list[str]) -> Path:
+    table = pa.table({"question": pa.array(questions, pa.string()), "answer": pa.array(answers, pa.string())})
+
+    pq.write_table(table, path)
+
+    return path
+
+
+class TestReadInstructionExamples:
+    def test_reads_gsm8k_parquet(self, tmp_path: Path) -> None:
+        file = _write_gsm8k_parquet(tmp_path / "train.parquet", ["q1", "q2"], ["a1\n#### 1", "a2\n#### 2"])
+
+        assert _read(InstructionSource(path=str(file))) == [
+            {"id": "train.parquet:0", "prompt": "q1", "response": "a1\n#### 1"},
+            {"id": "train.parquet:1", "prompt": "q2", "response": "a2\n#### 2"},
+        ]
+
+    def test_reads_fairseq2_jsonl_with_ids(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "sft.jsonl", [{"src": "s1", "tgt": "t1", "id": 7}, {"src": "s2", "tgt": "t2"}])
+
+        assert _read(InstructionSource(path=str(file))) == [
+            {"id": "7", "prompt": "s1", "response": "t1"},
+            {"id": "sft.jsonl:2", "prompt": "s2", "response": "t2"},
+        ]
+
+    def test_reads_the_files_of_a_directory_matching_the_pattern(self, tmp_path: Path) -> None:
+        (tmp_path / "main").mkdir()
+
+        _write_gsm8k_parquet(tmp_path / "main" / "train-00000-of-00001.parquet", ["train"], ["a"])
+        _write_gsm8k_parquet(tmp_path / "main" / "test-00000-of-00001.parquet", ["test"], ["a"])
+
+        examples = _read(InstructionSource(path=str(tmp_path), pattern="main/train-*.parquet"))
+
+        assert [e["prompt"] for e in examples] == ["train"]
+
+        # Without a pattern, every parquet and JSONL file, in path order.
+        _write_jsonl(tmp_path / "extra.jsonl", [{"question": "jsonl", "answer": "a"}])
+
+        examples = _read(InstructionSource(path=str(tmp_path)))
+
+        assert [e["prompt"] for e in examples] == ["jsonl", "test", "train"]
+
+    def test_raises_error_naming_the_line_of_a_row_without_tgt(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "bad.jsonl", [{"src": "s1", "tgt": "t1"}, {"src": "s2"}])
+
+        with pytest.raises(InstructionDataError, match=rf"{file}, line 2 must have a `tgt` field, but has the fields \['src'\]\."):
+            _read(InstructionSource(path=str(file)))
+
+    def test_raises_error_naming_the_line_of_a_row_without_answer(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "bad.jsonl", [{"question": "q"}])
+
+        with pytest.raises(InstructionDataError, match=rf"{file}, line 1 must have a `answer` field"):
+            _read(InstructionSource(path=str(file)))
+
+    def test_reads_prompts_without_responses_for_generation(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "prompts.jsonl", [{"src": "s1"}])
+
+        assert _read(InstructionSource(path=str(file)), require_response=False) == [
+            {"id": "prompts.jsonl:1", "prompt": "s1", "response": ""}
+        ]
+
+    def test_raises_error_for_a_row_of_unknown_layout(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "p", "completion": "c"}])
+
+        with pytest.raises(InstructionDataError, match=r"must have the fields `question` and `answer` \(GSM8K\) or `src` and `tgt` \(fairseq2\), but has the fields \['completion', 'prompt'\]"):
+            _read(InstructionSource(path=str(file)))
+
+    def test_raises_error_naming_a_null_parquet_value(self, tmp_path: Path) -> None:
+        file = _write_gsm8k_parquet(tmp_path / "bad.parquet", ["q1", "q2"], ["a1", None])  # type: ignore[list-item]
+
+        with pytest.raises(InstructionDataError, match=rf"`answer` of {file}, row 1 must be a string, but is None\."):
+            _read(InstructionSource(path=str(file)))
+
+    def test_raises_error_for_invalid_json(self, tmp_path: Path) -> None:
+        file = tmp_path / "bad.jsonl"
+
+        file.write_text('{"src": "s", "tgt": "t"}\n{"src": \n', encoding="utf-8")
+
+        with pytest.raises(InstructionDataError, match=rf"{file}, line 2 is not valid JSON\."):
+            _read(InstructionSource(path=str(file)))
+
+    def test_skips_an_empty_parquet_file_with_a_warning(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        empty = _write_gsm8k_parquet(tmp_path / "a.parquet", [], [])
+
+        _write_gsm8k_parquet(tmp_path / "b.parquet", ["q"], ["a"])
+
+        examples = _read(InstructionSource(path=str(tmp_path)))
+
+        assert len(examples) == 1
+
+        assert f"Skipped 1 empty file(s): {empty}" in caplog.text
+
+    def test_raises_error_when_every_file_is_empty(self, tmp_path: Path) -> None:
+        _write_gsm8k_parquet(tmp_path / "a.parquet", [], [])
+
+        with pytest.raises(InstructionDataError, match=r"must contain at least one example, but contain none\."):
+            _read(InstructionSource(path=str(tmp_path)))
+
+    def test_raises_error_when_a_directory_has_no_matching_file(self, tmp_path: Path) -> None:
+        with pytest.raises(InstructionDataError, match=r"must contain files matching main/\*\.parquet, but contains none\."):
+            _read(InstructionSource(path=str(tmp_path), pattern="main/*.parquet"))
+
+
+class TestInstructionSource:
+    def test_validate_reports_a_missing_path(self, tmp_path: Path) -> None:
+        result = InstructionSource(path=str(tmp_path / "missing")).validate()
+
+        assert result.has_error()
+
+        assert f"but {tmp_path / 'missing'} does not exist" in str(result)
+
+    def test_validate_accepts_uris_and_existing_paths(self, tmp_path: Path) -> None:
+        assert not InstructionSource(path="hg://openai/gsm8k").validate().has_error()
+
+        assert not InstructionSource(path=str(tmp_path)).validate().has_error()
+
+
+class TestSyntheticDataset:
+    def test_materializes_gsm8k_once_in_the_openai_layout(self, tmp_path: Path) -> None:
+        uri = Uri.parse("synthetic://gsm8k")
+
+        path = materialize_synthetic_dataset(uri, cache_dir=tmp_path)
+
+        train = _read(InstructionSource(path=str(path), pattern="main/train-*.parquet"))
+        test = _read(InstructionSource(path=str(path), pattern="main/test-*.parquet"))
+
+        assert (len(train), len(test)) == (4000, 200)
+
+        assert all("\n#### " in e["response"] for e in train)
+
+        mtime = path.stat().st_mtime_ns
+
+        assert materialize_synthetic_dataset(uri, cache_dir=tmp_path) == path
+
+        assert path.stat().st_mtime_ns == mtime
+
+    def test_raises_error_for_an_unknown_corpus(self, tmp_path: Path) -> None:
+        with pytest.raises(Exception, match=r"must be one of synthetic://gsm8k, synthetic://fineweb_edu, but is synthetic://imagenet instead"):
+            materialize_synthetic_dataset(Uri.parse("synthetic://imagenet"), cache_dir=tmp_path)
+
+
+class TestChatEncoder:
+    def test_targets_are_the_response_and_the_rest_is_the_generation_prompt(self, tokenizer: Qwen35Tokenizer) -> None:
+        encoder = ChatEncoder(tokenizer)
+
+        example = {"id": "x", "prompt": "What is 2 + 3?", "response": "2 + 3 = <<2+3=5>>5\n#### 5"}
+
+        encoded = encoder(example)
+
+        indices, target_mask = encoded["indices"], encoded["target_mask"]
+
+        prompt = encoder.encode_prompt(example["prompt"])
+
+        num_prompt_tokens = len(prompt)
+
+        # The model is trained on what it sees at inference.
+        torch.testing.assert_close(indices[:num_prompt_tokens], prompt)
+
+        assert not target_mask[:num_prompt_tokens].any()
+
+        assert target_mask[num_prompt_tokens:].any()
+
+        decoder = tokenizer.create_decoder()
+
+        targets = decoder(indices[target_mask])
+
+        # The response and the end of the turn, which stops generation.
+        assert targets.startswith(example["response"])
+
+        assert tokenizer.vocab_info.eos_idx in indices[target_mask].tolist()
+
+        assert decoder(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
