@@ -493,12 +493,12 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         terms = _ChunkTerms.compute(qc, kc, gc)
 
-        # `tril(diag(beta) (K K^T * D), -1)`; the diagonal is not read.
-        a = terms.decay * terms.kk
-
-        inv = _invert_unit_lower(a.mul_(bc[..., None]))
-
-        del a
+        # With `E = diag(exp(gamma))`, `A = E A0 E^-1` for the decay-free
+        # `A0 = tril(diag(beta) K K^T, -1)` (the diagonal is not read), so
+        # `(I + A)^-1 = D * (I + A0)^-1`. Inverting `I + A0` instead of
+        # `I + A` keeps the products of the inversion away from the tiny,
+        # even subnormal, values that strong decays give.
+        inv = _invert_unit_lower(terms.kk * bc[..., None]).mul_(terms.decay)
 
         u = inv @ vc.mul_(bc[..., None])
         w = inv @ (kc * (bc * terms.exp_gamma)[..., None])
