@@ -1,0 +1,221 @@
+# shellcheck shell=bash
+# The body of slurm/run_qwen35_*.sh, sourced by them: check the inputs, set the
+# environment, start one task per GPU with srun, and turn the USR1 that SLURM
+# sends before the time limit into a checkpoint, a clean exit and a requeue.
+#
+# The caller sets QWEN35_RECIPE (e.g. "lm train"), QWEN35_DEFAULT_CONFIG (a path
+# relative to the checkout) and QWEN35_REPO, then runs `qwen35_launch "$@"`.
+# Every setting the user may change is an environment variable; see
+# docs/slurm.md.
+
+qwen35_log() { echo "[qwen35-slurm] $*"; }
+
+# Bad input ends the job at start time with one clear line in the error file
+# and exit code 2, before any training process exists.
+qwen35_fail() {
+    echo "[qwen35-slurm] error: $*" >&2
+    exit 2
+}
+
+# The output directory of the configuration file (`output_dir:`), if any. Read
+# with the venv's YAML parser so that quoting and comments are handled.
+_qwen35_config_output_dir() {
+    "$1" - "$2" <<'EOF'
+import sys
+from ruamel.yaml import YAML
+with open(sys.argv[1], encoding="utf-8") as f:
+    doc = next(iter(YAML(typ="safe", pure=True).load_all(f)), None)
+value = doc.get("output_dir") if isinstance(doc, dict) else None
+if isinstance(value, str) and value:
+    print(value)
+EOF
+}
+
+# The highest step_N under OUTPUT_DIR/checkpoints, or nothing.
+_qwen35_last_checkpoint() {
+    local d best=""
+    for d in "$1"/checkpoints/step_*; do
+        [ -d "$d" ] || continue
+        d=${d##*/step_}
+        [[ $d =~ ^[0-9]+$ ]] || continue
+        if [ -z "$best" ] || [ "$d" -gt "$best" ]; then best=$d; fi
+    done
+    echo "$best"
+}
+
+# USR1 from SLURM (`--signal=B:USR1@...` reaches only this shell): remember it
+# and pass it on to srun, which forwards it to every rank. fairseq2's trainer
+# then saves a checkpoint and stops.
+_qwen35_on_usr1() {
+    QWEN35_STOP_REQUESTED=1
+    qwen35_log "USR1 received: asking the ranks to checkpoint and stop"
+    if [ -n "${QWEN35_SRUN_PID:-}" ]; then
+        kill -USR1 "$QWEN35_SRUN_PID" 2>/dev/null || true
+    fi
+}
+
+_qwen35_requeue() {
+    qwen35_log "requeueing job $SLURM_JOB_ID; it resumes from the last checkpoint in $QWEN35_OUTPUT_DIR"
+    if ! scontrol requeue "$SLURM_JOB_ID"; then
+        echo "[qwen35-slurm] error: scontrol requeue failed (was the job submitted with --no-requeue?)." \
+            "Submit the same command again to resume from $QWEN35_OUTPUT_DIR." >&2
+        exit 3
+    fi
+    exit 0
+}
+
+qwen35_launch() {
+    QWEN35_STOP_REQUESTED=0
+    QWEN35_SRUN_PID=""
+    trap _qwen35_on_usr1 USR1
+
+    [ -n "${SLURM_JOB_ID:-}" ] || qwen35_fail "not inside a SLURM job: submit this script with sbatch"
+
+    # --- mode
+    local device=${QWEN35_DEVICE:-cuda}
+    case $device in
+        cuda | cpu) ;;
+        *) qwen35_fail "QWEN35_DEVICE must be 'cuda' or 'cpu', not '$device'" ;;
+    esac
+
+    # --- the command: the venv the user points at, the active one, or the checkout's
+    local venv=${QWEN35_VENV:-${VIRTUAL_ENV:-$QWEN35_REPO/.venv}}
+    local cli=$venv/bin/fairseq2 python=$venv/bin/python
+    [ -x "$cli" ] || qwen35_fail "no fairseq2 command at $cli: set QWEN35_VENV to the venv where qwen35-fs2 is installed (pip install -e .)"
+
+    # --- configuration file
+    local config=${QWEN35_CONFIG:-$QWEN35_REPO/$QWEN35_DEFAULT_CONFIG}
+    [ -e "$config" ] || qwen35_fail "config file not found: $config (set QWEN35_CONFIG)"
+    if [ ! -f "$config" ] || [ ! -r "$config" ]; then
+        qwen35_fail "config file is not a readable file: $config"
+    fi
+    config=$(realpath "$config")
+
+    # --- extra overrides: QWEN35_OVERRIDES, then the script's arguments
+    local -a overrides=()
+    read -r -a overrides <<<"${QWEN35_OVERRIDES:-}"
+    overrides+=("$@")
+    local o
+    for o in "${overrides[@]}"; do
+        [[ $o == *=* ]] || qwen35_fail "override '$o' is not KEY=VALUE (QWEN35_OVERRIDES and script arguments are config overrides)"
+    done
+
+    # --- output directory: the same one on every run, so that a requeued or
+    # resubmitted job finds its checkpoints and resumes.
+    local out=${QWEN35_OUTPUT_DIR:-}
+    if [ -z "$out" ]; then
+        out=$(_qwen35_config_output_dir "$python" "$config") \
+            || qwen35_fail "cannot read output_dir from $config with $python"
+        [ -n "$out" ] || out=runs/$(basename "${config%.*}")
+    fi
+    case $out in /*) ;; *) out=${SLURM_SUBMIT_DIR:-$PWD}/$out ;; esac
+    local err
+    err=$(mkdir -p -- "$out" 2>&1) || qwen35_fail "cannot create output directory $out: ${err##*: }"
+    out=$(realpath "$out")
+    local probe=$out/.qwen35-write-probe.$SLURM_JOB_ID
+    err=$( : 2>&1 >"$probe") || qwen35_fail "output directory $out is not writable: ${err##*: }"
+    QWEN35_OUTPUT_DIR=$out
+
+    # --- shape of the allocation: one task per GPU
+    local nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
+    local tpn=${SLURM_NTASKS_PER_NODE:-}
+    [[ $tpn =~ ^[0-9]+$ ]] || qwen35_fail "submit with --ntasks-per-node (one task per GPU); SLURM_TASKS_PER_NODE=${SLURM_TASKS_PER_NODE:-unset}"
+    local world=$((nnodes * tpn))
+    if [ "$device" = cuda ]; then
+        # What was asked for per node (with --exclusive, SLURM_GPUS_ON_NODE
+        # counts every GPU of the node, requested or not).
+        local gpus=${SLURM_GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-0}}
+        gpus=${gpus##*:}
+        [[ $gpus =~ ^[0-9]+$ ]] || qwen35_fail "cannot read the GPUs per node from SLURM_GPUS_PER_NODE=${SLURM_GPUS_PER_NODE:-}: submit with --gpus-per-node=N"
+        [ "$gpus" -gt 0 ] || qwen35_fail "no GPUs allocated: submit with --gpus-per-node=N, or set QWEN35_DEVICE=cpu"
+        [ "$gpus" = "$tpn" ] || qwen35_fail "one task per GPU, but --ntasks-per-node=$tpn with $gpus GPUs per node: submit with --ntasks-per-node=$gpus"
+        unset FAIRSEQ2_DEVICE # each rank takes cuda:LOCAL_RANK
+    else
+        export FAIRSEQ2_DEVICE=cpu # gloo; GPUs, if any were allocated, stay unused
+    fi
+
+    # --- rendezvous on the first host of the job
+    local head
+    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    export MASTER_ADDR=${QWEN35_MASTER_ADDR:-$head}
+    export MASTER_PORT=${QWEN35_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
+    if [ "$nnodes" -gt 1 ] && ! getent hosts "$MASTER_ADDR" >/dev/null; then
+        qwen35_fail "the first host '$MASTER_ADDR' does not resolve from $(hostname): set QWEN35_MASTER_ADDR to its address"
+    fi
+
+    # --- environment of every rank (srun passes this shell's environment on)
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
+    export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
+    export PATH=$venv/bin:$PATH
+    if [ "$device" = cuda ]; then
+        # Abort a rank whose collective fails or times out instead of hanging
+        # until the time limit; --kill-on-bad-exit then ends the others.
+        export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+    fi
+
+    # --- every node sees the same output directory, config and venv
+    if [ "$nnodes" -gt 1 ]; then
+        local bad
+        # shellcheck disable=SC2016  # expanded on each node
+        bad=$(srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=0 \
+            bash -c 'for p; do [ -e "$p" ] || echo "$SLURMD_NODENAME cannot see $p"; done' \
+            _ "$probe" "$config" "$cli" 2>&1) \
+            || qwen35_fail "the check on every node failed: $bad"
+        [ -z "$bad" ] || qwen35_fail "all nodes must share the output directory, config and venv: $(echo "$bad" | paste -sd ';')"
+    fi
+    rm -f -- "$probe"
+
+    local last
+    last=$(_qwen35_last_checkpoint "$out")
+    qwen35_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST: $nnodes node(s) x $tpn task(s), device=$device, rendezvous $MASTER_ADDR:$MASTER_PORT"
+    qwen35_log "recipe: $QWEN35_RECIPE; config: $config; output: $out"
+    if [ -n "$last" ]; then
+        qwen35_log "resuming from the checkpoint of step $last"
+    else
+        qwen35_log "no checkpoint yet: starting from step 0"
+    fi
+
+    if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
+        _qwen35_requeue
+    fi
+
+    # One task per GPU. Each task gets its rank from SLURM; fairseq2 sees RANK
+    # and WORLD_SIZE and uses them as they are. `--kill-on-bad-exit` ends every
+    # rank when one fails, so a crash never leaves the others waiting.
+    local -a recipe
+    read -r -a recipe <<<"$QWEN35_RECIPE"
+    # shellcheck disable=SC2016  # expanded by each task's shell
+    srun --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn" --kill-on-bad-exit=1 \
+        bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'; exec "$@"' \
+        qwen35-rank "$cli" "${recipe[@]}" "$out" --config "$config" --no-rich \
+        --set common.no_sweep_dir=true "${overrides[@]}" &
+    QWEN35_SRUN_PID=$!
+    # A USR1 that came while srun was starting has not reached it yet.
+    if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
+        kill -USR1 "$QWEN35_SRUN_PID" 2>/dev/null || true
+    fi
+
+    # `wait` returns early when a trapped signal arrives: wait again until srun
+    # has really exited.
+    local rc
+    while :; do
+        rc=0
+        wait "$QWEN35_SRUN_PID" || rc=$?
+        if [ "$rc" -gt 128 ] && kill -0 "$QWEN35_SRUN_PID" 2>/dev/null; then
+            continue
+        fi
+        break
+    done
+    QWEN35_SRUN_PID=""
+
+    if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
+        last=$(_qwen35_last_checkpoint "$out")
+        qwen35_log "ranks exited with $rc after the stop request; last checkpoint: step ${last:-none}"
+        _qwen35_requeue
+    fi
+    if [ "$rc" != 0 ]; then
+        echo "[qwen35-slurm] error: training failed with exit code $rc; see the rank logs in $out/logs" >&2
+        exit "$rc"
+    fi
+    qwen35_log "training finished; checkpoints in $out/checkpoints"
+}

@@ -1,0 +1,200 @@
+"""Bad input gives a clear error at submit time (sbatch refuses) or at start
+time (the job fails within seconds with one line in its error file), never a
+job that waits or hangs. These jobs never start Python, so they are fast."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import CONFIGS, GPUS_PER_NODE, RUN_CPT, RUN_SFT, Cluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# The test cluster's nodes have 2 CPUs and 2 GPUs; a CPU job of 2 tasks.
+CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
+
+SFT_CONFIG = CONFIGS / "tiny_sft_cpu.yaml"
+
+# A failing start-time check must end the job this fast.
+FAIL_FAST_S = 30
+
+
+def _expect_start_failure(
+    cluster: Cluster,
+    workdir: Path,
+    message: str,
+    sbatch_args: list[str],
+    env: dict[str, str],
+    script: Path = RUN_SFT,
+    script_args: tuple[str, ...] = (),
+) -> None:
+    start = time.monotonic()
+    job = cluster.submit(script, workdir, sbatch_args, script_args, env)
+    info = cluster.wait(job, timeout=FAIL_FAST_S)
+    assert info["JobState"] == "FAILED", info
+    assert info["ExitCode"] == "2:0", info
+    assert message in job.stderr(), job.stderr()
+    # Nothing was requeued, and no rank was started.
+    assert info["Restarts"] == "0"
+    assert "[qwen35-slurm] job" not in job.stdout()
+    assert time.monotonic() - start < FAIL_FAST_S
+
+
+def test_missing_config_file(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-config.yaml"
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"config file not found: {missing} (set QWEN35_CONFIG)",
+        CPU_JOB,
+        {"QWEN35_CONFIG": str(missing), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")},
+    )
+
+
+def test_output_dir_that_cannot_be_created(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "out"
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"cannot create output directory {out}: Not a directory",
+        CPU_JOB,
+        {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(out)},
+    )
+
+
+def test_output_dir_that_is_not_writable(slurm_cluster: Cluster) -> None:
+    """The directory exists but belongs to root; the job runs as nobody. (Not
+    under pytest's tmp_path: nobody cannot enter it.)"""
+    base = Path(tempfile.mkdtemp(prefix="qwen35-slurm-nobody-"))
+    try:
+        base.chmod(0o755)
+        workdir = base / "logs"
+        workdir.mkdir(mode=0o777)
+        workdir.chmod(0o777)
+        out = base / "root-only"
+        out.mkdir(mode=0o755)
+        _expect_start_failure(
+            slurm_cluster,
+            workdir,
+            f"output directory {out} is not writable: Permission denied",
+            [*CPU_JOB, "--uid=nobody"],
+            {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(out)},
+        )
+    finally:
+        shutil.rmtree(base)
+
+
+def test_venv_without_the_command(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"no fairseq2 command at {tmp_path}/bin/fairseq2: set QWEN35_VENV",
+        CPU_JOB,
+        {"QWEN35_VENV": str(tmp_path), "QWEN35_CONFIG": str(SFT_CONFIG)},
+    )
+
+
+def test_override_that_is_not_key_value(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        "override 'regime.num_steps' is not KEY=VALUE",
+        CPU_JOB,
+        {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")},
+        script_args=("regime.num_steps",),
+    )
+
+
+def test_unknown_device(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        "QWEN35_DEVICE must be 'cuda' or 'cpu', not 'tpu'",
+        CPU_JOB,
+        {"QWEN35_DEVICE": "tpu"},
+    )
+
+
+@pytest.mark.parametrize(
+    ("gpu_args", "message"),
+    [
+        (
+            ["--ntasks-per-node=2", "--gpus-per-node=0"],
+            "no GPUs allocated: submit with --gpus-per-node=N, or set QWEN35_DEVICE=cpu",
+        ),
+        (
+            ["--ntasks-per-node=1", f"--gpus-per-node={GPUS_PER_NODE}"],
+            f"one task per GPU, but --ntasks-per-node=1 with {GPUS_PER_NODE} GPUs per node: "
+            f"submit with --ntasks-per-node={GPUS_PER_NODE}",
+        ),
+    ],
+    ids=["no-gpus", "tasks-not-gpus"],
+)
+def test_gpu_mode_needs_one_task_per_gpu(
+    slurm_cluster: Cluster, tmp_path: Path, gpu_args: list[str], message: str
+) -> None:
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        message,
+        ["--nodes=1", "--cpus-per-task=1", *gpu_args],
+        {
+            "QWEN35_DEVICE": "cuda",
+            "QWEN35_CONFIG": str(SFT_CONFIG),
+            "QWEN35_OUTPUT_DIR": str(tmp_path / "out"),
+        },
+    )
+
+
+def test_first_host_that_does_not_resolve(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """The emulated node n2 sorts first and has no address: the rendezvous
+    would hang, so the job stops and says how to fix it."""
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        "the first host 'n2' does not resolve",
+        ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"],
+        {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")},
+        script=RUN_CPT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("sbatch_args", "message"),
+    [
+        # The scripts' own defaults: 2 nodes x 8 GPUs x 8 tasks x 8 CPUs.
+        ([], "Batch job submission failed"),
+        (["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=0", "--cpus-per-task=1"],
+         "Requested node configuration is not available"),
+        (["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=4", "--cpus-per-task=1"],
+         "Requested node configuration is not available"),
+        (["--nodes=3", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"],
+         "Node count specification invalid"),
+        (["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1",
+          "--mem=64G"],
+         "Requested node configuration is not available"),
+    ],
+    ids=["defaults", "cpus", "gpus", "nodes", "memory"],
+)
+@pytest.mark.parametrize("script", [RUN_CPT, RUN_SFT], ids=["cpt", "sft"])
+def test_request_larger_than_the_nodes_is_refused_at_submit(
+    slurm_cluster: Cluster,
+    tmp_path: Path,
+    script: Path,
+    sbatch_args: list[str],
+    message: str,
+) -> None:
+    proc = slurm_cluster.sbatch(
+        script, tmp_path, sbatch_args, env={"QWEN35_CONFIG": str(SFT_CONFIG)}
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert message in proc.stderr, proc.stderr
+    assert proc.stdout.strip() == ""
+    # Nothing waits in the queue.
+    assert slurm_cluster.run("squeue", "-h", "-o", "%i").strip() == ""
