@@ -242,7 +242,7 @@ def _export(args: Namespace) -> None:
     load_dtype = _load_dtype(source, base, dtype)
 
     hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, get_dependency_resolver().resolve(AssetStore)
+        source.family, _asset_store()
     )
 
     model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
@@ -277,7 +277,7 @@ def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | No
         return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
     hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, get_dependency_resolver().resolve(AssetStore)
+        source.family, _asset_store()
     )
 
     for _, tensor in hub.iter_checkpoint(source.path, source.config, mmap=True):
@@ -293,6 +293,18 @@ def _resolve_source(checkpoint: str, step: int | None) -> _Source:
     if path.is_dir():
         if (path / "checkpoints" / "model.yaml").is_file():
             return _training_source(path / "checkpoints", step)
+
+        # The recipes put a run into a sweep directory (`ws_1.<hash>`) of the
+        # output directory they are given.
+        sweep_dirs = sorted(p.parent.parent for p in path.glob("*/checkpoints/model.yaml"))
+
+        if len(sweep_dirs) > 1:
+            raise CheckpointError(
+                f"CHECKPOINT must hold one training run, but {path} holds several: {', '.join(d.name for d in sweep_dirs)}. Pass one of them."
+            )
+
+        if sweep_dirs:
+            return _training_source(sweep_dirs[0] / "checkpoints", step)
 
         if (path / "model.yaml").is_file():
             return _training_source(path, step)
@@ -319,7 +331,7 @@ def _resolve_source(checkpoint: str, step: int | None) -> _Source:
     if path.exists():
         raise CheckpointError(f"CHECKPOINT must be a directory or an asset card name, but {path} is a file.")
 
-    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(checkpoint)
+    card = _asset_store().maybe_retrieve_card(checkpoint)
 
     if card is None:
         raise CheckpointError(
@@ -428,13 +440,17 @@ def _family_name_of(config: Qwen35Config) -> str:
     return QWEN35_MOE_FAMILY if isinstance(config, Qwen35MoeConfig) else QWEN35_FAMILY
 
 
+def _asset_store() -> AssetStore:
+    return get_dependency_resolver().resolve(AssetStore)  # type: ignore[type-abstract]
+
+
 def _get_family(name: object, where: str) -> ModelFamily:
     if name not in EXPORTABLE_FAMILIES:
         raise CheckpointError(
             f"The model family of {where} must be one of {', '.join(EXPORTABLE_FAMILIES)}, but is {name!r} instead."
         )
 
-    family = get_dependency_resolver().maybe_resolve(ModelFamily, key=name)
+    family = get_dependency_resolver().maybe_resolve(ModelFamily, key=name)  # type: ignore[type-abstract]
 
     if family is None:
         raise CheckpointError(f"The {name} model family is not registered; is qwen35-fs2 installed?")
@@ -486,7 +502,7 @@ def _resolve_base(base: str) -> Path:
     if path.exists():
         raise CheckpointError(f"`--base` must be a directory or an asset card name, but {path} is a file.")
 
-    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(base)
+    card = _asset_store().maybe_retrieve_card(base)
 
     if card is None:
         raise CheckpointError(
@@ -539,7 +555,7 @@ def _run_base(run_dir: Path) -> Path | None:
     if not isinstance(name, str):
         return None
 
-    card = get_dependency_resolver().resolve(AssetStore).maybe_retrieve_card(name)
+    card = _asset_store().maybe_retrieve_card(name)
 
     if card is None:
         # The `checkpoint_step_N` cards of `common.assets.prev_checkpoint_dir`.

@@ -526,7 +526,9 @@ def _check_architecture(base: HfRepository, config: Qwen35Config) -> None:
             f"The base model must be a {kind} model like the exported one, but {base.path} is not."
         )
 
-    fields = [(config, base_config, name, hg_name) for name, hg_name in _ARCHITECTURE_FIELDS]
+    fields: list[tuple[object, object, str, str]] = [
+        (config, base_config, name, hg_name) for name, hg_name in _ARCHITECTURE_FIELDS
+    ]
 
     if isinstance(config, Qwen35MoeConfig) and isinstance(base_config, Qwen35MoeConfig):
         # The dense width is unused: every layer is MoE.
@@ -616,7 +618,7 @@ class StateDictShapeError(HfExportError):
 
 
 def lay_out_experts(
-    hg_state_dict: dict[str, object], layout: ExpertLayout
+    hg_state_dict: Mapping[str, object], layout: ExpertLayout
 ) -> dict[str, object]:
     """Stores the MoE experts of a Hugging Face state dict in ``layout``.
 
@@ -1126,7 +1128,7 @@ def save_hf_model(
     *,
     config: Qwen35Config | None = None,
     base: str | Path | None = None,
-    dtype: DataType | None = None,
+    dtype: DataType | str | None = None,
     text_only: bool = False,
     force: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
@@ -1140,7 +1142,8 @@ def save_hf_model(
     :param config: The model's configuration. If ``None``, read from ``base``.
     :param base: The Hugging Face directory the model was trained from; see
         :func:`plan_hf_export`. Without it the export is text-only.
-    :param dtype: The dtype of the tensors; if ``None``, those of ``base``.
+    :param dtype: The dtype of the tensors, or its name (``"bfloat16"``);
+        if ``None``, those of ``base``, else those of the model.
     :param text_only: If ``True``, leaves out the vision tower.
     :param force: If ``True``, replaces a non-empty ``out_dir``.
     :param max_shard_size: The largest safetensors shard in bytes.
@@ -1148,6 +1151,14 @@ def save_hf_model(
     :raises HfExportError: if ``base`` does not match the model or the export
         cannot be written; ``out_dir`` is unchanged then.
     """
+    if isinstance(dtype, str):
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(
+                f"`dtype` must be one of {', '.join(EXPORT_DTYPES)}, but is '{dtype}' instead."
+            )
+
+        dtype = EXPORT_DTYPES[dtype]
+
     base_repo = None if base is None else HfRepository.open(base)
 
     if config is None:
@@ -1192,7 +1203,12 @@ class _Qwen35HuggingFaceConverter(HuggingFaceConverter):
 
         doc.pop("dtype")
 
-        return HuggingFaceConfig(doc, kls_name="Qwen3_5TextConfig", arch=arch)  # type: ignore[arg-type]
+        if isinstance(config, Qwen35MoeConfig):
+            kls_name = "Qwen3_5MoeTextConfig"
+        else:
+            kls_name = "Qwen3_5TextConfig"
+
+        return HuggingFaceConfig(doc, kls_name, arch)  # type: ignore[arg-type]
 
     @override
     def to_hg_state_dict(

@@ -77,7 +77,11 @@ def test_exports_the_fine_tuned_weights_of_the_latest_step_with_the_base_carried
         elif "mlp.experts." not in key:
             text_key = key.replace("model.language_model.", "model.")
 
-            assert torch.equal(tensor, trained[text_key]), key
+            trained_tensor = trained[text_key]
+
+            assert isinstance(trained_tensor, torch.Tensor)
+
+            assert torch.equal(tensor, trained_tensor), key
 
             assert not torch.equal(tensor, base[key]), f"{key} is the base's, not the fine-tuned one"
 

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 _ATOL = 2e-5
 
 # (base, export options, the classes to load it as)
-_CASES = {
+_CASES: dict[str, tuple[TinyQwen35Spec, dict[str, object], tuple[ModelClass, ...]]] = {
     "dense-vlm": (DENSE_VLM, {}, ("conditional_generation", "auto")),
     "dense-vlm-tied": (DENSE_VLM_BF16_TIED, {"dtype": torch.float32}, ("conditional_generation", "auto")),
     "dense-text-only": (DENSE_VLM, {"text_only": True}, ("auto",)),
@@ -46,7 +46,7 @@ def results(base_dirs: dict[TinyQwen35Spec, Path], tmp_path_factory: pytest.Temp
 
         out_dir = tmp_path_factory.mktemp(name) / "hf"
 
-        kwargs = {"base": base_dir, **options}
+        kwargs: dict[str, object] = {"base": base_dir, **options}
 
         if kwargs["base"] is None:
             kwargs["config"] = qwen35_config_from_hf(load_hf_config(base_dir))

@@ -58,7 +58,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     for step_nr in (2, 4):
         with torch.no_grad():
-            model.decoder.layer_norm.weight.fill_(step_nr)
+            dict(model.named_parameters())["decoder.layer_norm.weight"].fill_(step_nr)
 
         manager.save_model_only(step_nr, model, blocking=True)
 

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from fairseq2.error import StateDictError
+from fairseq2.models.hg import get_hugging_face_converter
 
 from hf_reference import hf_reference_available, hf_reference_dir
 from qwen35_fs2.models import (
@@ -52,6 +53,12 @@ def _state_dict(config: Qwen35Config) -> dict[str, Tensor]:
     return dict(model.state_dict())
 
 
+def _tensor(value: object) -> Tensor:
+    assert isinstance(value, Tensor)
+
+    return value
+
+
 def _read_dir(path: Path) -> dict[str, Tensor]:
     tensors = {}
 
@@ -73,7 +80,7 @@ def _make_vlm_base(
     hg = lay_out_experts(hg, "fused")
 
     tensors = {
-        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v.to(dtype)
+        (k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): _tensor(v).to(dtype)
         for k, v in hg.items()
     }
 
@@ -189,9 +196,9 @@ class TestLayOutExperts:
 
         per_expert = lay_out_experts(fused, "per_expert")
 
-        assert torch.equal(per_expert["model.layers.0.mlp.experts.2.gate_proj.weight"], gate_up[2, :4])
-        assert torch.equal(per_expert["model.layers.0.mlp.experts.2.up_proj.weight"], gate_up[2, 4:])
-        assert torch.equal(per_expert["model.layers.0.mlp.experts.1.down_proj.weight"], down[1])
+        assert torch.equal(_tensor(per_expert["model.layers.0.mlp.experts.2.gate_proj.weight"]), gate_up[2, :4])
+        assert torch.equal(_tensor(per_expert["model.layers.0.mlp.experts.2.up_proj.weight"]), gate_up[2, 4:])
+        assert torch.equal(_tensor(per_expert["model.layers.0.mlp.experts.1.down_proj.weight"]), down[1])
         assert len(per_expert) == 3 * 3 + 1
 
         back = lay_out_experts(per_expert, "fused")
@@ -199,7 +206,7 @@ class TestLayOutExperts:
         assert back.keys() == fused.keys()
 
         for key, value in fused.items():
-            assert torch.equal(back[key], value)  # type: ignore[arg-type]
+            assert torch.equal(_tensor(back[key]), value)
 
     def test_raises_error_when_a_projection_is_missing(self) -> None:
         per_expert = {
@@ -394,6 +401,26 @@ class TestPlanHfExport:
 
         assert "model.layers.0.mlp.experts.7.down_proj.weight" in plan.tensors
         assert not any(k.endswith("experts.gate_up_proj") for k in plan.tensors)
+
+
+class TestHuggingFaceConverter:
+    @pytest.mark.parametrize("config", [tiny_qwen35_config(), tiny_qwen35_moe_config()], ids=["dense", "moe"])
+    def test_gives_fairseq2_the_text_only_export(self, config: Qwen35Config) -> None:
+        family = "qwen35_moe" if isinstance(config, Qwen35MoeConfig) else "qwen35"
+
+        converter = get_hugging_face_converter(family)
+
+        hg_config = converter.to_hg_config(config)
+
+        plan = plan_hf_export(_state_dict(config), config)
+
+        assert hg_config.arch == plan.config["architectures"]
+        assert hg_config.kls_name == ("Qwen3_5MoeTextConfig" if family == "qwen35_moe" else "Qwen3_5TextConfig")
+        assert {**hg_config.data, "architectures": hg_config.arch, "dtype": "float32"} == plan.config
+
+        state_dict: dict[str, object] = dict(_state_dict(config))
+
+        assert converter.to_hg_state_dict(state_dict, config).keys() == plan.tensors.keys()
 
 
 class TestWriteHfExport:
