@@ -10,11 +10,11 @@ from fairseq2.runtime.config_registry import ConfigRegistrar
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.utils.validation import ValidationError, ValidationResult
 
+from qwen35_fs2.ops import GdnBackendRequest
+
 QWEN35_FAMILY: Final = "qwen35"
 
 LayerType = Literal["linear_attention", "full_attention"]
-
-GatedDeltaNetBackend = Literal["auto", "torch", "fla"]
 
 ENDOFTEXT_IDX: Final = 248_044
 """The index of ``<|endoftext|>``, the pad token of the Qwen3.5 vocabulary."""
@@ -103,7 +103,7 @@ class Qwen35Config:
     embeddings (Hugging Face's ``initializer_range``).
     """
 
-    gdn_backend: GatedDeltaNetBackend = "auto"
+    gdn_backend: GdnBackendRequest = "auto"
     """
     The kernels of the Gated DeltaNet layers: ``torch`` (pure PyTorch, runs
     anywhere), ``fla`` (fla's Triton kernels; CUDA only), or ``auto`` (``fla``

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from fairseq2.error import NotSupportedError
+from fairseq2.gang import get_current_gangs
 from fairseq2.models.transformer import (
     CausalAttentionBias,
     FeedForwardNetwork,
@@ -41,6 +40,7 @@ from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.loss import install_chunked_lm_loss
 from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.models.rotary import PartialRotaryEncoder
+from qwen35_fs2.ops import GdnBackend, resolve_gdn_backend
 
 
 def create_qwen35_model(config: Qwen35Config) -> TransformerLM:
@@ -171,13 +171,12 @@ class Qwen35Factory:
             proj_init_fn=self._init_projection,
         )
 
-    def resolve_gdn_backend(self) -> Literal["torch", "fla"]:
-        backend = self._config.gdn_backend
+    def resolve_gdn_backend(self) -> GdnBackend:
+        """Resolves ``config.gdn_backend`` for the device the model will run
+        on (the model itself may be on the meta device while it is built)."""
+        device = get_current_gangs().root.device
 
-        if backend == "fla":
-            raise NotSupportedError("The fla backend is not available yet.")
-
-        return "torch"
+        return resolve_gdn_backend(self._config.gdn_backend, device)
 
     def create_ffn(self, layer_idx: int) -> FeedForwardNetwork:
         config = self._config

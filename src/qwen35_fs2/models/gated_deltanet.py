@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, final
+from typing import final
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from fairseq2.gang import Gangs, get_current_gangs
 from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag, Linear
 
 from qwen35_fs2.models.normalization import GatedRMSNorm
-from qwen35_fs2.ops import causal_conv1d, recurrent_gated_delta_rule
+from qwen35_fs2.ops import GdnBackend, causal_conv1d, gated_delta_rule
 
 
 @final
@@ -50,7 +50,7 @@ class GatedDeltaNet(Module):
         conv_kernel_size: int,
         *,
         norm_eps: float = 1e-6,
-        backend: Literal["torch", "fla"] = "torch",
+        backend: GdnBackend = "torch",
         proj_init_fn: Callable[[Linear], None] | None = None,
         gangs: Gangs | None = None,
         device: Device | None = None,
@@ -75,7 +75,7 @@ class GatedDeltaNet(Module):
         self.num_value_heads = num_value_heads
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
-        self.backend = backend
+        self.backend: GdnBackend = backend
 
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
@@ -99,7 +99,11 @@ class GatedDeltaNet(Module):
         self.in_proj_a = make_linear(model_dim, num_value_heads)
 
         self.conv1d = CausalDepthwiseConv1d(
-            2 * key_dim + value_dim, conv_kernel_size, device=device, dtype=dtype
+            2 * key_dim + value_dim,
+            conv_kernel_size,
+            backend=backend,
+            device=device,
+            dtype=dtype,
         )
 
         self.A_log = Parameter(
@@ -110,7 +114,9 @@ class GatedDeltaNet(Module):
             torch.empty((num_value_heads,), device=device, dtype=dtype)
         )
 
-        self.norm = GatedRMSNorm(value_head_dim, eps=norm_eps, device=device, dtype=dtype)
+        self.norm = GatedRMSNorm(
+            value_head_dim, eps=norm_eps, backend=backend, device=device, dtype=dtype
+        )
 
         self.output_proj = make_linear(value_dim, model_dim)
 
@@ -196,12 +202,13 @@ class GatedDeltaNet(Module):
             beta = beta * real
             g = g * real
 
-        o, recurrent_state = recurrent_gated_delta_rule(
+        o, recurrent_state = gated_delta_rule(
             q,
             k,
             v,
             g,
             beta,
+            backend=self.backend,
             initial_state=None if state is None else state.recurrent_state,
             output_final_state=incremental,
             cu_seqlens=cu_seqlens,
@@ -273,6 +280,7 @@ class CausalDepthwiseConv1d(Module):
         num_channels: int,
         kernel_size: int,
         *,
+        backend: GdnBackend = "torch",
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
@@ -280,6 +288,7 @@ class CausalDepthwiseConv1d(Module):
 
         self.num_channels = num_channels
         self.kernel_size = kernel_size
+        self.backend: GdnBackend = backend
 
         self.weight = Parameter(
             torch.empty((num_channels, 1, kernel_size), device=device, dtype=dtype)
@@ -311,11 +320,12 @@ class CausalDepthwiseConv1d(Module):
             initial_state=initial_state,
             output_final_state=output_final_state,
             cu_seqlens=cu_seqlens,
+            backend=self.backend,
         )
 
     @override
     def extra_repr(self) -> str:
-        return f"num_channels={self.num_channels}, kernel_size={self.kernel_size}"
+        return f"num_channels={self.num_channels}, kernel_size={self.kernel_size}, backend={self.backend}"
 
 
 @final

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from safetensors import SafetensorError, safe_open
+
 from fairseq2.data_type import DataType
 from fairseq2.device import Device
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
@@ -38,6 +40,27 @@ def load_hf_config(path: Path) -> dict[str, object]:
     return config
 
 
+def check_safetensors_files(path: Path) -> None:
+    """Opens every safetensors file of ``path`` (reading only its header), so
+    a truncated or corrupt file is reported by name before any tensor is
+    loaded; the safetensors library itself does not name the file."""
+    files = sorted(path.glob("*.safetensors"))
+
+    if not files:
+        raise CorruptModelCheckpointError(
+            path, f"{path} must contain safetensors checkpoint files, but has none."
+        )
+
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as ex:
+            raise CorruptModelCheckpointError(
+                path, f"{file} cannot be loaded as a Safetensors checkpoint file: {ex}"
+            ) from ex
+
+
 def load_hf_model(
     path: str | Path,
     *,
@@ -55,6 +78,8 @@ def load_hf_model(
     path = Path(path)
 
     config = qwen35_config_from_hf(load_hf_config(path))
+
+    check_safetensors_files(path)
 
     try:
         if isinstance(config, Qwen35MoeConfig):

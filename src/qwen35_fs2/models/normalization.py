@@ -13,6 +13,8 @@ from fairseq2.data_type import DataType
 from fairseq2.device import Device
 from fairseq2.nn import LayerNorm
 
+from qwen35_fs2.ops import GdnBackend, gated_rms_norm
+
 
 
 @final
@@ -74,6 +76,7 @@ class GatedRMSNorm(Module):
         dim: int,
         *,
         eps: float = 1e-6,
+        backend: GdnBackend = "torch",
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
@@ -81,6 +84,7 @@ class GatedRMSNorm(Module):
 
         self.dim = dim
         self.eps = eps
+        self.backend: GdnBackend = backend
 
         self.weight = Parameter(torch.empty((dim,), device=device, dtype=dtype))
 
@@ -94,16 +98,8 @@ class GatedRMSNorm(Module):
         :param x: The input. *Shape:* :math:`(*,D)`.
         :param gate: The gate. *Shape:* Same as ``x``.
         """
-        dtype = x.dtype
-
-        fp32_x = x.float()
-
-        fp32_x = fp32_x * torch.rsqrt(fp32_x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-        x = self.weight * fp32_x.to(dtype)
-
-        return (x * torch.nn.functional.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
 
     @override
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, eps={self.eps}"
+        return f"dim={self.dim}, eps={self.eps}, backend={self.backend}"
