@@ -5,24 +5,24 @@ heads, ``G = HV // H`` value heads per query/key head, ``K`` key dim, ``V``
 value dim, ``N`` sequences, ``NC`` chunks (of all sequences), ``C`` chunk
 size.
 
-Within a chunk, with ``gamma`` the cumulative log decay since the chunk start,
-``D[i, j] = exp(gamma_i - gamma_j)`` for ``i >= j`` (``0`` above) and ``S``
-the state at the chunk start, the ``C`` delta-rule updates collapse into
-(the WY representation, solved as a unit lower-triangular system)::
+Within a chunk, with ``gamma`` the cumulative log decay since the chunk
+start, ``D[i, j] = exp(gamma_i - gamma_j)`` for ``i >= j`` (``0`` above) and
+``S`` the state at the chunk start, the ``C`` delta-rule updates collapse
+into (the WY representation, a unit lower-triangular system)::
 
     A     = tril(diag(beta) (K K^T * D), -1)
     [U|W] = (I + A)^-1 [diag(beta) V | diag(beta exp(gamma)) K]
     Vn    = U - W S                       # what the chunk writes
-    O     = diag(exp(gamma)) Q S + (tril(Q K^T * D)) Vn
+    O     = diag(exp(gamma)) Q S + tril(Q K^T * D) Vn
     S'    = exp(gamma_C) S + (diag(exp(gamma_C - gamma)) K)^T Vn
 
 Everything but the ``S -> S'`` recurrence runs for all chunks at once. Every
-exponent is a difference ``gamma_i - gamma_j`` with ``i >= j`` (masked before
-``exp``), so strong decay underflows to 0 and never overflows.
+exponent is a difference ``gamma_i - gamma_j`` with ``i >= j``, masked before
+``exp``: strong decays underflow to 0 and never overflow.
 
-The backward recomputes the intra-chunk terms from the inputs and the
-chunk-start states, which is all it keeps from the forward: activations stay
-at the size of the inputs.
+The backward recomputes the intra-chunk terms; it keeps from the forward the
+chunk-start states, ``(I + A)^-1`` and ``Vn``, three tensors of the size of
+``v`` (for ``C = K = V``), where autograd would keep some twenty.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, Final, final
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from qwen35_fs2.ops.delta_rule.common import (
@@ -40,7 +39,6 @@ from qwen35_fs2.ops.delta_rule.common import (
     compute_dtype,
     sequence_lengths,
 )
-
 
 _MIN_FP32_EXPONENT: Final = -30.0
 
@@ -61,16 +59,16 @@ def chunk_gated_delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """Computes the gated delta rule chunk by chunk (the training path).
 
-    Same contract as :func:`recurrent_gated_delta_rule`. Documents of a packed
-    batch are cut into chunks of their own (a chunk never straddles two
-    documents), so nothing leaks between documents.
+    Same contract as :func:`recurrent_gated_delta_rule`. The documents of a
+    packed batch are cut into chunks of their own (a chunk never straddles
+    two documents), so nothing leaks from one document to the next.
 
-    Under ``torch.compile``, ``cu_seqlens`` is read on the host (a graph
-    break) and the graph specializes on the number of chunks per document;
-    without ``cu_seqlens`` only shapes are used.
+    Under ``torch.compile``, a regular batch traces into one graph; with
+    ``cu_seqlens``, the offsets are read on the host (a graph break) and the
+    graph specializes on the number of chunks of every document.
 
-    :param chunk_size: The number of tokens solved together; 64 is fastest
-        on CPU and matches fla.
+    :param chunk_size: The number of tokens solved together; 64 matches fla
+        (32 is a few percent faster on CPU, but loops twice as often).
 
     :returns: The output of shape ``[B, T, HV, V]`` in the dtype of ``v``, and
         the final states of shape ``[N, HV, K, V]`` in fp32 (or ``None``).
@@ -87,41 +85,29 @@ def chunk_gated_delta_rule(
     if scale is None:
         scale = key_dim**-0.5
 
-    if seq_len == 0:
-        num_seqs = batch_size if cu_seqlens is None else cu_seqlens.numel() - 1
-
-        state_shape = (num_seqs, v.size(2), key_dim, v.size(3))
-
-        return _empty_outputs(v, initial_state, output_final_state, state_shape)
-
     if cu_seqlens is None:
         layout = _ChunkLayout.regular(batch_size, seq_len, chunk_size)
     else:
-        layout = _ChunkLayout.packed(
-            sequence_lengths(batch_size, seq_len, cu_seqlens), chunk_size, q.device
-        )
+        lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
 
-    o, final_state = _ChunkGatedDeltaRuleFunction.apply(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        initial_state,
-        scale,
-        use_qk_l2norm,
-        output_final_state,
-        layout,
+        layout = _ChunkLayout.packed(lengths, chunk_size, q.device)
+
+    if layout.num_chunks == 0:
+        return _empty_outputs(v, initial_state, output_final_state, layout.num_seqs, key_dim)
+
+    o, final_state = _ChunkGatedDeltaRuleFunction.apply(  # type: ignore[no-untyped-call]
+        q, k, v, g, beta, initial_state, scale, use_qk_l2norm, output_final_state, layout
     )
 
-    return o, final_state
+    return o, final_state  # type: ignore[no-any-return]
 
 
 def _empty_outputs(
     v: Tensor,
     initial_state: Tensor | None,
     output_final_state: bool,
-    state_shape: tuple[int, ...],
+    num_seqs: int,
+    key_dim: int,
 ) -> tuple[Tensor, Tensor | None]:
     """The outputs for ``T = 0``: nothing, and the states unchanged (both
     still in the autograd graph)."""
@@ -130,10 +116,12 @@ def _empty_outputs(
     if not output_final_state:
         return o, None
 
-    if initial_state is None:
-        return o, v.new_zeros(state_shape, dtype=compute_dtype(v))
+    dtype = compute_dtype(v)
 
-    return o, initial_state.to(compute_dtype(v))
+    if initial_state is None:
+        return o, v.new_zeros((num_seqs, v.size(2), key_dim, v.size(3)), dtype=dtype)
+
+    return o, initial_state.to(dtype)
 
 
 @final
@@ -143,8 +131,8 @@ class _ChunkLayout:
 
     Chunks are ordered by their index within their sequence, then by
     sequence, the sequences sorted by decreasing chunk count: the chunks of
-    the ``j``-th recurrence step are then contiguous, and so are the states
-    of the sequences still running (a prefix of the state rows).
+    the ``j``-th step of the recurrence are then contiguous, and so are the
+    states of the sequences still running (a prefix of the state rows).
     """
 
     chunk_size: int
@@ -158,9 +146,9 @@ class _ChunkLayout:
     """The number of sequences with a ``j``-th chunk, non-increasing."""
 
     token_slots: Tensor | None
-    """``[num_tokens]``: the chunk slot (``chunk * C + offset``) of every
-    token of a packed batch; ``None`` for a regular batch, whose rows are
-    simply cut (a reshape, much faster than a gather on CPU)."""
+    """``[T]``: the chunk slot (``chunk * C + offset``) of every token of a
+    packed batch; ``None`` for a regular batch, whose rows are only cut (a
+    strided copy, much faster than a gather on CPU)."""
 
     seq_order: Tensor | None
     """``[N]``: the sequence of each state row; ``None`` if in order."""
@@ -172,9 +160,9 @@ class _ChunkLayout:
     def regular(batch_size: int, seq_len: int, chunk_size: int) -> _ChunkLayout:
         num_chunks = -(-seq_len // chunk_size)
 
-        return _ChunkLayout(
-            chunk_size, batch_size, seq_len, (batch_size,) * num_chunks, None, None, None
-        )
+        step_sizes = (batch_size,) * num_chunks
+
+        return _ChunkLayout(chunk_size, batch_size, seq_len, step_sizes, None, None, None)
 
     @staticmethod
     def packed(lengths: list[int], chunk_size: int, device: torch.device) -> _ChunkLayout:
@@ -182,7 +170,7 @@ class _ChunkLayout:
 
         num_chunks = [-(-length // chunk_size) for length in lengths]
 
-        # A stable sort: sequences of equal chunk counts keep their order.
+        # A stable sort: a batch of equal lengths keeps its order.
         order = sorted(range(num_seqs), key=lambda seq_idx: -num_chunks[seq_idx])
 
         ranks = [0] * num_seqs
@@ -220,7 +208,7 @@ class _ChunkLayout:
 
         token_slots = token_chunks * chunk_size + positions % chunk_size
 
-        if order == list(range(num_seqs)):
+        if order == sorted(order):
             seq_order, seq_ranks = None, None
         else:
             seq_order, seq_ranks = as_tensor(order), as_tensor(ranks)
@@ -239,7 +227,8 @@ class _ChunkLayout:
         return self.step_sizes[0] if self.step_sizes else 0
 
     def step_bounds(self) -> list[tuple[int, int, int]]:
-        """``(begin, end, next_size)`` of the chunks of every recurrence step."""
+        """``(begin, end, next_size)``: the chunks of every recurrence step, and
+        the number of sequences still running after it."""
         bounds = []
 
         begin = 0
@@ -253,46 +242,50 @@ class _ChunkLayout:
 
         return bounds
 
-    def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
-        """``[B, T, HV, *F]`` -> ``[NC, H, G, C, *F]`` (``G = 1`` if ``x`` has
-        ``H`` heads), with zeros past the end of every sequence; always a new
-        tensor."""
+    def split_heads(self, x: Tensor, num_heads: int, dtype: torch.dtype) -> Tensor:
+        """``[B, T, HV, *F]`` -> ``[NC, H, G, C, *F]`` in ``dtype`` (``G = 1``
+        if ``x`` has ``H`` heads), zeros past the end of every sequence.
+
+        Always a new tensor, which callers may modify in place.
+        """
         num_v_heads, features = x.size(2), x.shape[3:]
 
-        chunk_shape = (self.num_chunks, num_v_heads, self.chunk_size) + features
-
-        if self.token_slots is None:
-            pad = len(self.step_sizes) * self.chunk_size - self.seq_len
-
-            if pad > 0:
-                x = torch.cat([x, x.new_zeros((x.size(0), pad) + x.shape[2:])], dim=1)
-
-            # (B, NC / B, C, HV, *F) -> (NC / B, B, HV, C, *F)
-            x = x.unflatten(1, (-1, self.chunk_size)).movedim(0, 1).movedim(2, 3)
-
-            # Always a copy, which callers may modify in place.
-            chunks = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-
-            chunks = chunks.view(chunk_shape)
-        else:
-            chunks = x.new_zeros((self.num_chunks * self.chunk_size, num_v_heads) + features)
-
-            chunks.index_copy_(0, self.token_slots, x.flatten(0, 1))
-
-            chunks = chunks.unflatten(0, (-1, self.chunk_size)).movedim(1, 2).contiguous()
-
-        return chunks.unflatten(1, (num_heads, -1))
-
-    def merge_heads(self, x: Tensor, batch_size: int) -> Tensor:
-        """The inverse of :meth:`split_heads`."""
-        # (NC, H, G, C, *F) -> (NC, C, HV, *F)
-        x = x.flatten(1, 2).movedim(2, 1)
+        shape = (self.num_chunks, num_heads, num_v_heads // num_heads, self.chunk_size) + features
 
         if self.token_slots is not None:
-            return x.flatten(0, 1)[self.token_slots].unflatten(0, (batch_size, -1))
+            slots = x.new_zeros((self.num_chunks * self.chunk_size, num_v_heads) + features, dtype=dtype)
+
+            slots.index_copy_(0, self.token_slots, x.flatten(0, 1).to(dtype))
+
+            # (NC x C, HV, *F) -> (NC, HV, C, *F)
+            slots = slots.view((self.num_chunks, self.chunk_size, num_v_heads) + features)
+
+            return slots.transpose(1, 2).reshape(shape)
+
+        batch_size = x.size(0)
+
+        pad = len(self.step_sizes) * self.chunk_size - self.seq_len
+
+        if pad > 0:
+            x = torch.cat([x, x.new_zeros((batch_size, pad) + x.shape[2:])], dim=1)
+
+        # (B, NC / B, C, HV, *F) -> (NC / B, B, HV, C, *F)
+        x = x.view((batch_size, -1, self.chunk_size) + x.shape[2:]).movedim(0, 1).transpose(2, 3)
+
+        return x.new_empty(x.shape, dtype=dtype).copy_(x).view(shape)
+
+    def merge_heads(self, x: Tensor, batch_size: int) -> Tensor:
+        """The inverse of :meth:`split_heads`, ``[B, T, HV, *F]``."""
+        num_chunks, num_heads, group_size, chunk_size = x.shape[:4]
+
+        # (NC, H, G, C, *F) -> (NC, C, HV, *F)
+        x = x.view((num_chunks, num_heads * group_size, chunk_size) + x.shape[4:]).transpose(1, 2)
+
+        if self.token_slots is not None:
+            return x.flatten(0, 1)[self.token_slots].unsqueeze(0)
 
         # (NC / B, B, C, HV, *F) -> (B, T, HV, *F)
-        x = x.unflatten(0, (-1, batch_size)).movedim(1, 0).flatten(1, 2)
+        x = x.reshape((-1, batch_size) + x.shape[1:]).movedim(1, 0).flatten(1, 2)
 
         return x[:, : self.seq_len]
 
@@ -309,40 +302,39 @@ def _invert_unit_lower(a: Tensor, block_size: int = 16) -> Tensor:
     """Returns ``(I + tril(a, -1))^-1`` for ``a`` of shape ``[..., C, C]``.
 
     The diagonal blocks are inverted by triangular solves, the blocks below
-    by block forward substitution: on CPU, batched solves of 64 x 64 systems
-    are several times slower than the few matrix products this needs.
+    them by block forward substitution: on CPU, batched 64 x 64 triangular
+    solves are several times slower than the few products this needs.
     """
     size = a.size(-1)
 
-    eye = torch.eye(min(size, block_size), dtype=a.dtype, device=a.device)
-
     if size <= block_size or size % block_size != 0:
-        eye = torch.eye(size, dtype=a.dtype, device=a.device)
+        block_size = size
 
-        return torch.linalg.solve_triangular(a, eye.expand_as(a), upper=False, unitriangular=True)
+    eye = torch.eye(block_size, dtype=a.dtype, device=a.device)
 
-    num_blocks = size // block_size
-
-    # (..., C, C) -> (..., C / bs, bs, bs)
-    diag = a.unflatten(-2, (num_blocks, block_size)).unflatten(-1, (num_blocks, block_size))
-    diag = diag.diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+    # (..., C / bs, bs, bs)
+    diag = torch.stack(
+        [a[..., i : i + block_size, i : i + block_size] for i in range(0, size, block_size)], dim=-3
+    )
 
     diag_inv = torch.linalg.solve_triangular(
         diag, eye.expand_as(diag), upper=False, unitriangular=True
     )
 
+    if block_size == size:
+        return diag_inv.squeeze(-3)
+
     inv = a.new_zeros(a.shape)
 
-    inv[..., :block_size, :block_size] = diag_inv[..., 0, :, :]
+    for block, begin in enumerate(range(0, size, block_size)):
+        end = begin + block_size
 
-    for block in range(1, num_blocks):
-        begin, end = block * block_size, (block + 1) * block_size
-
-        # Row block `i` of `(I + L) X = I` left of the diagonal:
-        # X[i, :i] = -X[i, i] L[i, :i] X[:i, :i].
-        inv[..., begin:end, :begin] = -(
-            diag_inv[..., block, :, :] @ (a[..., begin:end, :begin] @ inv[..., :begin, :begin])
-        )
+        # Row block `i` of `(I + L) X = I`, left of the diagonal:
+        # `X[i, :i] = -X[i, i] L[i, :i] X[:i, :i]`.
+        if begin > 0:
+            inv[..., begin:end, :begin] = -(
+                diag_inv[..., block, :, :] @ (a[..., begin:end, :begin] @ inv[..., :begin, :begin])
+            )
 
         inv[..., begin:end, begin:end] = diag_inv[..., block, :, :]
 
@@ -350,18 +342,93 @@ def _invert_unit_lower(a: Tensor, block_size: int = 16) -> Tensor:
 
 
 def _addmm(c: Tensor, a: Tensor, b: Tensor, alpha: float = 1.0) -> Tensor:
-    """``c + alpha * a @ b`` for ``[..., M, N]`` batches of the same shape, as
-    one fused GEMM."""
-    return torch.baddbmm(
-        c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), alpha=alpha
-    ).view(c.shape)
+    """``c + alpha * a @ b`` for ``[..., M, N]`` batches of one shape, as one
+    fused GEMM."""
+    out = torch.baddbmm(c.flatten(0, -3), a.flatten(0, -3), b.flatten(0, -3), alpha=alpha)
+
+    return out.view(c.shape)
+
+
+def _sum_groups(x: Tensor) -> Tensor:
+    """Sums ``[NC, H, G, ...]`` over the value heads of each query/key head."""
+    return x if x.size(2) == 1 else x.sum(2, keepdim=True)
+
+
+def _exp_(x: Tensor) -> Tensor:
+    """``exp(x)`` in place, for ``x <= 0``; in fp32, decays below ``e^-30``
+    become 0.
+
+    Such terms are 10^-6 of fp32's resolution next to undecayed ones, but
+    multiplying them yields subnormal floats, two orders of magnitude slower
+    to compute with on x86 (strong decays made the whole op twice as slow).
+    fp64 (gradient checks) stays exact.
+    """
+    if x.dtype == torch.float32:
+        torch.threshold_(x, _MIN_FP32_EXPONENT, -math.inf)
+
+    return x.exp_()
+
+
+@final
+@dataclass
+class _ChunkedInputs:
+    """The inputs in the chunk layout and the compute dtype: ``q``, ``k``
+    ``[NC, H, 1, C, K]`` (normalized, ``q`` scaled), ``v`` ``[NC, H, G, C,
+    V]``, ``g``, ``beta`` ``[NC, H, G, C]``."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    g: Tensor
+    beta: Tensor
+
+    q_rstd: Tensor | None
+    k_rstd: Tensor | None
+    """The inverse norms (``None`` without normalization)."""
+
+    @staticmethod
+    def create(
+        layout: _ChunkLayout,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        scale: float,
+        use_qk_l2norm: bool,
+    ) -> _ChunkedInputs:
+        num_heads, dtype = q.size(2), compute_dtype(v)
+
+        qc, kc, vc, gc, bc = (layout.split_heads(t, num_heads, dtype) for t in (q, k, v, g, beta))
+
+        if not use_qk_l2norm:
+            return _ChunkedInputs(qc.mul_(scale), kc, vc, gc, bc, None, None)
+
+        # As fla: `x / sqrt(sum(x^2) + 1e-6)`. Padding stays 0.
+        q_rstd = torch.rsqrt(qc.square().sum(-1, keepdim=True) + 1e-6)
+        k_rstd = torch.rsqrt(kc.square().sum(-1, keepdim=True) + 1e-6)
+
+        return _ChunkedInputs(qc.mul_(q_rstd * scale), kc.mul_(k_rstd), vc, gc, bc, q_rstd, k_rstd)
+
+
+def _normalize_backward(dy: Tensor, y: Tensor, rstd: Tensor | None, scale: float) -> Tensor:
+    """The gradient of ``x`` for ``y = scale * x * rstd(x)`` (``y = scale *
+    x`` if ``rstd`` is ``None``), given ``y``; overwrites ``dy``."""
+    if rstd is None:
+        return dy.mul_(scale)
+
+    # `dx = rstd * (scale * dy - y_hat (y_hat . scale * dy))` for the unit
+    # `y_hat = y / scale`.
+    dot = torch.linalg.vecdot(y, dy).unsqueeze(-1)
+
+    return dy.sub_(y * dot.div_(scale**2)).mul_(rstd * scale)
 
 
 @final
 @dataclass
 class _ChunkTerms:
-    """What the forward and the backward both compute from the chunked
-    inputs; ``[NC, H, G, ...]`` (``G = 1`` for ``kk``, ``qk``)."""
+    """What the forward and the backward both compute; ``[NC, H, G, ...]``
+    (``G = 1`` for ``kk``, ``qk``)."""
 
     exp_gamma: Tensor
     """``[..., C]``: the decay since the chunk start."""
@@ -378,101 +445,39 @@ class _ChunkTerms:
     qk: Tensor
     """``[..., C, C]``: ``Q K^T``."""
 
-    @staticmethod
-    def compute(q: Tensor, k: Tensor, g: Tensor) -> _ChunkTerms:
-        """``q``, ``k``: ``[NC, H, 1, C, K]``; ``g``: ``[NC, H, G, C]``."""
-        chunk_size = q.size(-2)
+    kd: Tensor
+    """``[..., C, K]``: ``diag(exp(gamma_C - gamma)) K``."""
 
-        # Summed in fp32 (or fp64): the decays are differences of these sums,
-        # always with exponents <= 0.
-        gamma = g.cumsum(-1)
+    kb_scale: Tensor
+    """``[..., C]``: ``beta exp(gamma)``, the row scales of ``K`` in ``W``."""
+
+    @staticmethod
+    def compute(x: _ChunkedInputs) -> _ChunkTerms:
+        chunk_size = x.q.size(-2)
+
+        # Summed in fp32 (or fp64): the decays are differences of these sums.
+        gamma = x.g.cumsum(-1)
 
         exp_gamma = _exp_(gamma.clone())
 
         exp_to_end = _exp_(gamma[..., -1:] - gamma)
 
-        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+        causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=gamma.device).tril()
 
-        # Masked before `exp`, so no exponent is positive.
-        decay = _exp_((gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -math.inf))
+        decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -math.inf)
 
-        return _ChunkTerms(exp_gamma, exp_to_end, decay, k @ k.mT, q @ k.mT)
-
-
-def _exp_(x: Tensor) -> Tensor:
-    """``exp(x)`` in place, for ``x <= 0``; in fp32, decays below ``e^-30``
-    become 0.
-
-    Such terms are 10^-6 of fp32's resolution next to undecayed ones, but
-    multiplying them yields subnormal floats, which x86 CPUs compute with two
-    orders of magnitude slower: with strong decay the whole op ran twice as
-    slow. fp64 (gradient checks) stays exact.
-    """
-    if x.dtype == torch.float32:
-        F.threshold_(x, _MIN_FP32_EXPONENT, -math.inf)
-
-    return x.exp_()
-
-
-def _normalize(x: Tensor, use_l2norm: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-    """Returns ``x`` in ``dtype``, L2-normalized if asked, with its inverse
-    norm."""
-    x = x.to(dtype)
-
-    if not use_l2norm:
-        return x, None
-
-    rstd = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
-
-    return x * rstd, rstd
-
-
-def _normalize_backward(dy: Tensor, y: Tensor, rstd: Tensor | None) -> Tensor:
-    """The gradient of :func:`_normalize` given its output ``y``."""
-    if rstd is None:
-        return dy
-
-    return rstd * (dy - y * (dy * y).sum(-1, keepdim=True))
-
-
-def _sum_groups(x: Tensor) -> Tensor:
-    """Sums ``[NC, H, G, ...]`` over the value heads of each query/key head."""
-    return x if x.size(2) == 1 else x.sum(2, keepdim=True)
-
-
-def _chunk_inputs(
-    layout: _ChunkLayout,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float,
-    use_qk_l2norm: bool,
-) -> tuple[Tensor, ...]:
-    """Returns the chunked ``q``, ``k``, ``v``, ``g``, ``beta`` in the
-    compute dtype, and the normalized ``q``, ``k`` with their inverse norms
-    (what the backward of the normalization needs)."""
-    num_heads = q.size(2)
-
-    dtype = compute_dtype(v)
-
-    qn, q_rstd = _normalize(q, use_qk_l2norm, dtype)
-    kn, k_rstd = _normalize(k, use_qk_l2norm, dtype)
-
-    qc = layout.split_heads(qn * scale, num_heads)
-    kc = layout.split_heads(kn, num_heads)
-
-    vc, gc, bc = (layout.split_heads(t.to(dtype), num_heads) for t in (v, g, beta))
-
-    return qc, kc, vc, gc, bc, qn, q_rstd, kn, k_rstd
+        return _ChunkTerms(
+            exp_gamma,
+            exp_to_end,
+            _exp_(decay),
+            x.k @ x.k.mT,
+            x.q @ x.k.mT,
+            x.k * exp_to_end[..., None],
+            x.beta * exp_gamma,
+        )
 
 
 class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
-    """Keeps the inputs and, each the size of ``v`` (for ``C = K = V``), the
-    chunk-start states, ``(I + A)^-1`` and the writes ``Vn``; the backward
-    recomputes the rest."""
-
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any,
@@ -487,31 +492,26 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         output_final_state: bool,
         layout: _ChunkLayout,
     ) -> tuple[Tensor, Tensor | None]:
-        batch_size, _, num_heads, key_dim = q.shape
+        x = _ChunkedInputs.create(layout, q, k, v, g, beta, scale, use_qk_l2norm)
 
-        qc, kc, vc, gc, bc, *_ = _chunk_inputs(layout, q, k, v, g, beta, scale, use_qk_l2norm)
-
-        terms = _ChunkTerms.compute(qc, kc, gc)
+        terms = _ChunkTerms.compute(x)
 
         # With `E = diag(exp(gamma))`, `A = E A0 E^-1` for the decay-free
         # `A0 = tril(diag(beta) K K^T, -1)` (the diagonal is not read), so
-        # `(I + A)^-1 = D * (I + A0)^-1`. Inverting `I + A0` instead of
-        # `I + A` keeps the products of the inversion away from the tiny,
-        # even subnormal, values that strong decays give.
-        inv = _invert_unit_lower(terms.kk * bc[..., None]).mul_(terms.decay)
+        # `(I + A)^-1 = D * (I + A0)^-1`. Inverting `I + A0` keeps the
+        # inversion away from the tiny, even subnormal, products of decays.
+        inv = _invert_unit_lower(terms.kk * x.beta[..., None]).mul_(terms.decay)
 
-        u = inv @ vc.mul_(bc[..., None])
-        w = inv @ (kc * (bc * terms.exp_gamma)[..., None])
-
-        kd = kc * terms.exp_to_end[..., None]
+        u = inv @ x.v.mul_(x.beta[..., None])
+        w = inv @ (x.k * terms.kb_scale[..., None])
 
         chunk_decay = terms.exp_gamma[..., -1, None, None]
 
         # (N, H, G, K, V), the rows in the order the layout runs them.
         if initial_state is None:
-            state = vc.new_zeros((layout.num_seqs,) + vc.shape[1:3] + (key_dim, vc.size(-1)))
+            state = u.new_zeros((layout.num_seqs,) + u.shape[1:3] + (w.size(-1), u.size(-1)))
         else:
-            state = layout.to_rows(initial_state.to(vc.dtype).unflatten(1, (num_heads, -1)))
+            state = layout.to_rows(initial_state.to(u.dtype).view((-1,) + u.shape[1:3] + initial_state.shape[2:]))
 
         # Sequences without any chunk end where they start.
         starts, writes, finals = [], [], [state[layout.first_step_size :]]
@@ -524,19 +524,18 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             starts.append(state)
             writes.append(vn)
 
-            state = _addmm(chunk_decay[begin:end] * state, kd[begin:end].mT, vn)
+            state = _addmm(chunk_decay[begin:end] * state, terms.kd[begin:end].mT, vn)
 
             finals.append(state[next_size:])
 
-        s = torch.cat(starts)
-        vn = torch.cat(writes)
+        s, vn = torch.cat(starts), torch.cat(writes)
 
-        # `Q K^T * D`, in place: the decay is not needed anymore.
+        # `P = Q K^T * D`, in place: the decay is not needed anymore.
         p = terms.decay.mul_(terms.qk)
 
-        oc = _addmm((qc * terms.exp_gamma[..., None]) @ s, p, vn)
+        oc = _addmm((x.q * terms.exp_gamma[..., None]) @ s, p, vn)
 
-        o = layout.merge_heads(oc, batch_size).to(v.dtype)
+        o = layout.merge_heads(oc, q.size(0)).to(v.dtype)
 
         final_state: Tensor | None = None
 
@@ -560,41 +559,31 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         layout: _ChunkLayout = ctx.layout
 
-        batch_size, _, num_heads, _ = q.shape
+        batch_size, num_heads = q.size(0), q.size(2)
 
-        qc, kc, vc, gc, bc, qn, q_rstd, kn, k_rstd = _chunk_inputs(
-            layout, q, k, v, g, beta, ctx.scale, ctx.use_qk_l2norm
-        )
+        x = _ChunkedInputs.create(layout, q, k, v, g, beta, ctx.scale, ctx.use_qk_l2norm)
 
-        doc = layout.split_heads(do.to(vc.dtype), num_heads)
+        doc = layout.split_heads(do, num_heads, s.dtype)
 
-        terms = _ChunkTerms.compute(qc, kc, gc)
+        terms = _ChunkTerms.compute(x)
 
         exp_gamma, decay = terms.exp_gamma, terms.decay
 
-        kb_scale = bc * exp_gamma
-
-        w = inv @ (kc * kb_scale[..., None])
-
-        kd = kc * terms.exp_to_end[..., None]
+        w = inv @ (x.k * terms.kb_scale[..., None])
 
         chunk_decay = exp_gamma[..., -1, None, None]
 
-        qg = qc * exp_gamma[..., None]
-
         # What the output contributes directly to the gradients of the
         # chunk-start states and of the writes.
-        ds_out = qg.mT @ doc
+        ds_out = (x.q * exp_gamma[..., None]).mT @ doc
         dvn_out = (decay * terms.qk).mT @ doc
-
-        del qg
 
         state_shape = s.shape[1:]
 
         if dht is None:
             dht_rows = None
         else:
-            dht_rows = layout.to_rows(dht.to(s.dtype).unflatten(1, (num_heads, -1)))
+            dht_rows = layout.to_rows(dht.to(s.dtype).view((-1,) + state_shape))
 
         def final_grads(begin: int, end: int) -> Tensor:
             if dht_rows is None:
@@ -602,7 +591,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
             return dht_rows[begin:end]
 
-        # The gradients of the state at every chunk end and of the writes.
+        # The gradients of the state at every chunk end, and of the writes.
         dstate = s.new_zeros((0,) + state_shape)
 
         end_grads, write_grads = [], []
@@ -611,93 +600,91 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             if end - begin > next_size:
                 dstate = torch.cat([dstate, final_grads(next_size, end - begin)])
 
-            dvn = _addmm(dvn_out[begin:end], kd[begin:end], dstate)
+            dvn = _addmm(dvn_out[begin:end], terms.kd[begin:end], dstate)
 
             end_grads.append(dstate)
             write_grads.append(dvn)
 
-            dstate = _addmm(
-                torch.addcmul(ds_out[begin:end], chunk_decay[begin:end], dstate),
-                w[begin:end].mT,
-                dvn,
-                alpha=-1.0,
-            )
+            dstate = torch.addcmul(ds_out[begin:end], chunk_decay[begin:end], dstate)
+            dstate = _addmm(dstate, w[begin:end].mT, dvn, alpha=-1.0)
 
         dh0 = torch.cat([dstate, final_grads(layout.first_step_size, layout.num_seqs)])
 
-        ds_end = torch.cat(end_grads[::-1])
-        dvn = torch.cat(write_grads[::-1])
+        ds_end, dvn = torch.cat(end_grads[::-1]), torch.cat(write_grads[::-1])
 
         del ds_out, dvn_out, end_grads, write_grads
 
-        # `O = diag(exp(gamma)) Q S + P Vn`
+        # `O = diag(exp(gamma)) Q S + P Vn`; `dP` is masked by `D` below.
         dqg = doc @ s.mT
         dp = doc @ vn.mT
 
         # `S' = exp(gamma_C) S + Kd^T Vn`
         dkd = vn @ ds_end.mT
 
-        # `[U | W] = inv [diag(beta) V | diag(beta exp(gamma)) K]` with
-        # `Vn = U - W S`, so `dU = dVn`, `dW = -dVn S^T` and
+        # `[U | W] = inv [diag(beta) V | diag(beta exp(gamma)) K]` and
+        # `Vn = U - W S`: `dU = dVn`, `dW = -dVn S^T`, and so
         # `dA = -inv^T (dU U^T + dW W^T) = -inv^T dVn Vn^T`.
         dvb = inv.mT @ dvn
 
-        # Both negated: `-dW'` and `-dA` (strictly lower).
+        # Both negated: `-d(diag(beta exp(gamma)) K)` and `-dA`.
         dkb_neg = dvb @ s.mT
         da_neg = (dvb @ vn.mT).tril_(-1)
 
-        dkb_k = torch.linalg.vecdot(dkb_neg, kc)
+        dkb_k = torch.linalg.vecdot(dkb_neg, x.k)
 
-        # `-dA * D`, then `-d(K K^T)` per value head, in place.
+        # `-dA * D`, the decay-free gradient `-d(diag(beta) K K^T)`.
         da_neg.mul_(decay)
 
         dad_kk = da_neg * terms.kk
 
-        dbeta = torch.linalg.vecdot(dvb, vc) - exp_gamma * dkb_k - dad_kk.sum(-1)
+        dbeta = torch.linalg.vecdot(dvb, x.v) - exp_gamma * dkb_k - dad_kk.sum(-1)
 
-        dkk_neg = _sum_groups(da_neg.mul_(bc[..., None]))
+        # `-d(K K^T)` and `d(Q K^T)`, per query/key head.
+        dkk_neg = _sum_groups(da_neg.mul_(x.beta[..., None]))
 
-        # `dP * D`, the gradient of `Q K^T` per value head, in place.
         dpd = dp.mul_(decay)
 
+        dqk = _sum_groups(dpd)
+
         # `dL/d(gamma_i - gamma_j)` through `D`: `dA * A + dP * P`.
-        de = dad_kk.mul_(bc[..., None]).neg_().addcmul_(dpd, terms.qk)
+        de = dad_kk.mul_(x.beta[..., None]).neg_().addcmul_(dpd, terms.qk)
 
-        dkd_kd = torch.linalg.vecdot(dkd, kd)
+        dkd_kd = torch.linalg.vecdot(dkd, terms.kd)
 
-        dgamma = exp_gamma * (torch.linalg.vecdot(dqg, qc) - bc * dkb_k) - dkd_kd + de.sum(-1) - de.sum(-2)
+        dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k) - dkd_kd
+        dgamma += de.sum(-1) - de.sum(-2)
 
-        dgamma[..., -1] += dkd_kd.sum(-1) + chunk_decay[..., 0, 0] * torch.linalg.vecdot(
-            s.flatten(-2), ds_end.flatten(-2)
-        )
+        dgamma[..., -1] += dkd_kd.sum(-1) + chunk_decay[..., 0, 0] * (s * ds_end).sum((-2, -1))
 
         # `gamma` is a cumulative sum.
         dg = dgamma.flip(-1).cumsum(-1).flip(-1)
 
-        dqk = _sum_groups(dpd)
+        dqc = _addmm(_sum_groups(dqg.mul_(exp_gamma[..., None])), dqk, x.k)
 
-        dqc = dqk @ kc + _sum_groups(dqg.mul_(exp_gamma[..., None]))
-
-        dkc = (
-            dqk.mT @ qc
-            - (dkk_neg + dkk_neg.mT) @ kc
-            + _sum_groups(dkd.mul_(terms.exp_to_end[..., None]).sub_(dkb_neg.mul_(kb_scale[..., None])))
+        dkc = _sum_groups(
+            dkd.mul_(terms.exp_to_end[..., None]).sub_(dkb_neg.mul_(terms.kb_scale[..., None]))
         )
 
-        dq = _normalize_backward(layout.merge_heads(dqc, batch_size) * ctx.scale, qn, q_rstd)
-        dk = _normalize_backward(layout.merge_heads(dkc, batch_size), kn, k_rstd)
+        dkc = _addmm(dkc, dqk.mT, x.q)
+        dkc = _addmm(dkc, dkk_neg + dkk_neg.mT, x.k, alpha=-1.0)
+
+        dqc = _normalize_backward(dqc, x.q, x.q_rstd, ctx.scale)
+        dkc = _normalize_backward(dkc, x.k, x.k_rstd, 1.0)
 
         dh0_out: Tensor | None = None
 
         if initial_state is not None and ctx.needs_input_grad[5]:
             dh0_out = layout.to_seqs(dh0).flatten(1, 2).to(initial_state.dtype)
 
-        return (
-            dq.to(q.dtype),
-            dk.to(k.dtype),
-            layout.merge_heads(dvb.mul_(bc[..., None]), batch_size).to(v.dtype),
-            layout.merge_heads(dg, batch_size).to(g.dtype),
-            layout.merge_heads(dbeta, batch_size).to(beta.dtype),
+        grads = (
+            (dqc, q),
+            (dkc, k),
+            (dvb.mul_(x.beta[..., None]), v),
+            (dg, g),
+            (dbeta, beta),
+        )
+
+        return tuple(layout.merge_heads(dx, batch_size).to(t.dtype) for dx, t in grads) + (
             dh0_out,
             None,
             None,
