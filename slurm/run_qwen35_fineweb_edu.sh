@@ -44,5 +44,4 @@ fi
 source "$QWEN35_REPO/slurm/lib/launch.sh"
 
 QWEN35_RECIPE="lm train"
-QWEN35_DEFAULT_CONFIG=recipes/qwen35_0.8b_fineweb_edu.yaml
 qwen35_launch "$@"

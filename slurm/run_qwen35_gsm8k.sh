@@ -44,5 +44,4 @@ fi
 source "$QWEN35_REPO/slurm/lib/launch.sh"
 
 QWEN35_RECIPE="lm instruction_finetune"
-QWEN35_DEFAULT_CONFIG=recipes/qwen35_0.8b_gsm8k.yaml
 qwen35_launch "$@"

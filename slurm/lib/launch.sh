@@ -3,8 +3,8 @@
 # environment, start one task per GPU with srun, and turn the USR1 that SLURM
 # sends before the time limit into a checkpoint, a clean exit and a requeue.
 #
-# The caller sets QWEN35_RECIPE (e.g. "lm train"), QWEN35_DEFAULT_CONFIG (a path
-# relative to the checkout) and QWEN35_REPO, then runs `qwen35_launch "$@"`.
+# The caller sets QWEN35_RECIPE (e.g. "lm train") and QWEN35_REPO, then runs
+# `qwen35_launch "$@"`.
 # Every setting the user may change is an environment variable; see
 # docs/slurm.md.
 
@@ -83,13 +83,17 @@ qwen35_launch() {
     local cli=$venv/bin/fairseq2 python=$venv/bin/python
     [ -x "$cli" ] || qwen35_fail "no fairseq2 command at $cli: set QWEN35_VENV to the venv where qwen35-fs2 is installed (pip install -e .)"
 
-    # --- configuration file
-    local config=${QWEN35_CONFIG:-$QWEN35_REPO/$QWEN35_DEFAULT_CONFIG}
-    [ -e "$config" ] || qwen35_fail "config file not found: $config (set QWEN35_CONFIG)"
-    if [ ! -f "$config" ] || [ ! -r "$config" ]; then
-        qwen35_fail "config file is not a readable file: $config"
+    # --- configuration file; without one the recipe's defaults are GPU-sized
+    local config=${QWEN35_CONFIG:-}
+    local -a config_args=()
+    if [ -n "$config" ]; then
+        [ -e "$config" ] || qwen35_fail "config file not found: $config (set QWEN35_CONFIG)"
+        if [ ! -f "$config" ] || [ ! -r "$config" ]; then
+            qwen35_fail "config file is not a readable file: $config"
+        fi
+        config=$(realpath "$config")
+        config_args=(--config "$config")
     fi
-    config=$(realpath "$config")
 
     # --- extra overrides: QWEN35_OVERRIDES, then the script's arguments
     local -a overrides=()
@@ -102,12 +106,15 @@ qwen35_launch() {
 
     # --- output directory: the same one on every run, so that a requeued or
     # resubmitted job finds its checkpoints and resumes.
+    local -a recipe
+    read -r -a recipe <<<"$QWEN35_RECIPE"
     local out=${QWEN35_OUTPUT_DIR:-}
-    if [ -z "$out" ]; then
+    if [ -z "$out" ] && [ -n "$config" ]; then
         out=$(_qwen35_config_output_dir "$python" "$config") \
             || qwen35_fail "cannot read output_dir from $config with $python"
         [ -n "$out" ] || out=runs/$(basename "${config%.*}")
     fi
+    [ -n "$out" ] || out=runs/${recipe[-1]}
     case $out in /*) ;; *) out=${SLURM_SUBMIT_DIR:-$PWD}/$out ;; esac
     local err
     err=$(mkdir -p -- "$out" 2>&1) || qwen35_fail "cannot create output directory $out: ${err##*: }"
@@ -139,8 +146,9 @@ qwen35_launch() {
     head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     export MASTER_ADDR=${QWEN35_MASTER_ADDR:-$head}
     export MASTER_PORT=${QWEN35_MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
-    if [ "$nnodes" -gt 1 ] && ! getent hosts "$MASTER_ADDR" >/dev/null; then
-        qwen35_fail "the first host '$MASTER_ADDR' does not resolve from $(hostname): set QWEN35_MASTER_ADDR to its address"
+    # (An address needs no lookup; getent would want a reverse entry.)
+    if ! [[ $MASTER_ADDR =~ ^[0-9.]+$ || $MASTER_ADDR == *:* ]] && ! getent hosts "$MASTER_ADDR" >/dev/null; then
+        qwen35_fail "the rendezvous host '$MASTER_ADDR' (the job's first node unless QWEN35_MASTER_ADDR is set) does not resolve from $(hostname): set QWEN35_MASTER_ADDR to its address"
     fi
 
     # --- environment of every rank (srun passes this shell's environment on)
@@ -159,7 +167,7 @@ qwen35_launch() {
         # shellcheck disable=SC2016  # expanded on each node
         bad=$(srun --nodes="$nnodes" --ntasks="$nnodes" --ntasks-per-node=1 --kill-on-bad-exit=0 \
             bash -c 'for p; do [ -e "$p" ] || echo "$SLURMD_NODENAME cannot see $p"; done' \
-            _ "$probe" "$config" "$cli" 2>&1) \
+            _ "$probe" "$cli" ${config:+"$config"} 2>&1) \
             || qwen35_fail "the check on every node failed: $bad"
         [ -z "$bad" ] || qwen35_fail "all nodes must share the output directory, config and venv: $(echo "$bad" | paste -sd ';')"
     fi
@@ -168,7 +176,7 @@ qwen35_launch() {
     local last
     last=$(_qwen35_last_checkpoint "$out")
     qwen35_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST: $nnodes node(s) x $tpn task(s), device=$device, rendezvous $MASTER_ADDR:$MASTER_PORT"
-    qwen35_log "recipe: $QWEN35_RECIPE; config: $config; output: $out"
+    qwen35_log "recipe: $QWEN35_RECIPE; config: ${config:-none, the recipe defaults}; output: $out"
     if [ -n "$last" ]; then
         qwen35_log "resuming from the checkpoint of step $last"
     else
@@ -182,12 +190,12 @@ qwen35_launch() {
     # One task per GPU. Each task gets its rank from SLURM; fairseq2 sees RANK
     # and WORLD_SIZE and uses them as they are. `--kill-on-bad-exit` ends every
     # rank when one fails, so a crash never leaves the others waiting.
-    local -a recipe
-    read -r -a recipe <<<"$QWEN35_RECIPE"
     # shellcheck disable=SC2016  # expanded by each task's shell
     srun --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn" --kill-on-bad-exit=1 \
-        bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'; exec "$@"' \
-        qwen35-rank "$cli" "${recipe[@]}" "$out" --config "$config" --no-rich \
+        bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'
+            echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK)"
+            exec "$@"' \
+        qwen35-rank "$cli" "${recipe[@]}" "$out" "${config_args[@]}" --no-rich \
         --set common.no_sweep_dir=true "${overrides[@]}" &
     QWEN35_SRUN_PID=$!
     # A USR1 that came while srun was starting has not reached it yet.

@@ -31,9 +31,11 @@ CLUSTER_PORT = 17817
 LOCK_FILE = Path("/tmp/qwen35-slurm-tests.lock")
 LOCK_TIMEOUT_S = 900
 
-# The emulated cluster: node 1 is named after this host, node 2 is `n2`.
+# The emulated cluster: node 1 is named after this host, node 2 is `n2`. More
+# CPUs than the machine has, so that the training jobs of a module can run at
+# the same time (2 + 2 tasks on node 1, 1 + 1 across both nodes).
 NUM_NODES = 2
-CPUS_PER_NODE = 2
+CPUS_PER_NODE = 6
 GPUS_PER_NODE = 2
 
 FINISHED_STATES = frozenset(

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import CONFIGS, GPUS_PER_NODE, RUN_CPT, RUN_SFT, Cluster
+from slurm_cluster import CONFIGS, CPUS_PER_NODE, GPUS_PER_NODE, RUN_CPT, RUN_SFT, Cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
-# The test cluster's nodes have 2 CPUs and 2 GPUs; a CPU job of 2 tasks.
+# A CPU job of 2 tasks on one node.
 CPU_JOB = ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0", "--cpus-per-task=1"]
 
 SFT_CONFIG = CONFIGS / "tiny_sft_cpu.yaml"
@@ -158,7 +158,7 @@ def test_first_host_that_does_not_resolve(slurm_cluster: Cluster, tmp_path: Path
     _expect_start_failure(
         slurm_cluster,
         tmp_path,
-        "the first host 'n2' does not resolve",
+        "the rendezvous host 'n2' (the job's first node unless QWEN35_MASTER_ADDR is set) does not resolve",
         ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"],
         {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")},
         script=RUN_CPT,
@@ -170,9 +170,11 @@ def test_first_host_that_does_not_resolve(slurm_cluster: Cluster, tmp_path: Path
     [
         # The scripts' own defaults: 2 nodes x 8 GPUs x 8 tasks x 8 CPUs.
         ([], "Batch job submission failed"),
-        (["--nodes=1", "--ntasks-per-node=4", "--gpus-per-node=0", "--cpus-per-task=1"],
+        (["--nodes=1", f"--ntasks-per-node={CPUS_PER_NODE + 1}", "--gpus-per-node=0",
+          "--cpus-per-task=1"],
          "Requested node configuration is not available"),
-        (["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=4", "--cpus-per-task=1"],
+        (["--nodes=1", "--ntasks-per-node=2", f"--gpus-per-node={GPUS_PER_NODE + 1}",
+          "--cpus-per-task=1"],
          "Requested node configuration is not available"),
         (["--nodes=3", "--ntasks-per-node=1", "--gpus-per-node=0", "--cpus-per-task=1"],
          "Node count specification invalid"),
