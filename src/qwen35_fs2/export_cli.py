@@ -43,6 +43,7 @@ from fairseq2.assets.download_manager import get_asset_download_manager
 from fairseq2.data_type import DataType
 from fairseq2.device import CPU
 from fairseq2.logging import configure_logging, log
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily, ModelHub
 from fairseq2.runtime.dependency import get_dependency_resolver
 
@@ -245,7 +246,13 @@ def _export(args: Namespace) -> None:
         source.family, _asset_store()
     )
 
-    model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
+    try:
+        model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
+    except CorruptModelCheckpointError as ex:
+        # fairseq2 keeps the details (which keys, which shapes) in the cause.
+        cause = "" if ex.__cause__ is None else f" {ex.__cause__}"
+
+        raise CheckpointError(f"{ex}{cause}") from ex
 
     plan = plan_hf_export(
         model.state_dict(),

@@ -126,6 +126,25 @@ class TestMain:
         assert "must hold at least one checkpoint (a step_N/model directory), but has none" in _errors(caplog)
         assert not (tmp_path / "out").exists()
 
+    def test_fails_for_a_checkpoint_that_does_not_match_its_config(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        checkpoint_dir = tmp_path / "checkpoints"
+
+        checkpoint_dir.mkdir()
+
+        (checkpoint_dir / "step_4").symlink_to(run_dir / "checkpoints" / "step_4")
+
+        metadata = yaml.safe_load((run_dir / "checkpoints" / "model.yaml").read_text())
+
+        metadata["model_config"]["model_dim"] = 32
+
+        (checkpoint_dir / "model.yaml").write_text(yaml.safe_dump(metadata))
+
+        assert main([str(checkpoint_dir), str(tmp_path / "out")]) == 1
+
+        assert "is not compatible with the qwen35 model" in _errors(caplog)
+        assert "decoder_frontend.embed.weight" in _errors(caplog)
+        assert not (tmp_path / "out").exists()
+
     def test_fails_for_a_step_that_was_not_saved(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         assert main([str(run_dir), str(tmp_path / "out"), "--step", "3"]) == 1
 

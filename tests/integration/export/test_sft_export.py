@@ -1,0 +1,238 @@
+"""After a tiny CPU SFT run (``fairseq2 lm instruction_finetune`` with
+``regime.export_hugging_face: true``), ``fairseq2 lm export_hf`` exports the
+fine-tuned weights, and transformers generates what fairseq2 generates."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from torch import Tensor
+
+from fairseq2.assets import AssetCard
+from fairseq2.data.tokenizers import load_tokenizer
+from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn import BatchLayout
+
+from export_testing import read_config, read_tensors
+from hf_reference import TinyQwen35Spec, hf_greedy_generate
+from hf_reference.fixtures import TinyModelCache
+from qwen35_fs2.models import get_qwen35_model_hub
+from qwen35_fs2.models.hf_export import to_hg_state_dict
+
+pytestmark = pytest.mark.slow
+
+# The `qwen35_demo` arch (the real vocabulary, 128 wide) in the released
+# layout, with an MTP head, tied, bf16, as transformers 5.24 writes it.
+_BASE = TinyQwen35Spec(
+    layout="vlm",
+    add_mtp=True,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+    vocab_size=248_320,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    intermediate_size=384,
+    seed=11,
+)
+
+_NUM_STEPS = 2
+
+_MAX_NEW_TOKENS = 32
+
+_PROMPTS = (
+    "<|im_start|>user\nNatalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nWeng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?<|im_end|>\n<|im_start|>assistant\n",
+)
+
+
+def _fairseq2(*args: str) -> None:
+    """Runs the ``fairseq2`` command of this environment."""
+    command = [str(Path(sys.executable).with_name("fairseq2")), *args, "--no-rich"]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def sft_run(hf_tiny_models: TinyModelCache, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Fine-tunes the base for a few steps on CPU; returns the base and the
+    run's output directory."""
+    base_dir = hf_tiny_models.get(_BASE)
+
+    tmp_dir = tmp_path_factory.mktemp("sft")
+
+    config = {
+        "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
+        "dataset": {
+            "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
+            "valid": [],
+            "max_seq_len": 128,
+            "max_num_tokens": 256,
+            "packing": True,
+            "prefetch": 1,
+        },
+        "tokenizer": {"name": "qwen35_tokenizer"},
+        "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
+        "optimizer": {"name": "adamw", "config": {"lr": 1e-3, "weight_decay": 0.0}},
+        "regime": {
+            "num_steps": _NUM_STEPS,
+            "checkpoint_every_n_steps": _NUM_STEPS,
+            "publish_metrics_every_n_steps": 1,
+            "export_hugging_face": True,
+        },
+        "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
+    }
+
+    config_file = tmp_dir / "sft.yaml"
+
+    config_file.write_text(yaml.safe_dump(config))
+
+    run_dir = tmp_dir / "run"
+
+    _fairseq2("lm", "instruction_finetune", str(run_dir), "--config", str(config_file))
+
+    return base_dir, run_dir
+
+
+@pytest.fixture(scope="module")
+def exports(sft_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    _, run_dir = sft_run
+
+    out_dir = tmp_path_factory.mktemp("exports")
+
+    _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "default"))
+    _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "fp32"), "--dtype", "float32")
+
+    return {"default": out_dir / "default", "fp32": out_dir / "fp32"}
+
+
+def _checkpoint_dir(run_dir: Path) -> Path:
+    # The recipe writes into a sweep directory of its output directory.
+    (checkpoint_dir,) = run_dir.glob("*/checkpoints")
+
+    return checkpoint_dir
+
+
+def _fine_tuned_card(run_dir: Path) -> AssetCard:
+    """The card of the last checkpoint, as fairseq2 makes it."""
+    checkpoint_dir = _checkpoint_dir(run_dir)
+
+    metadata = yaml.safe_load((checkpoint_dir / "model.yaml").read_text())
+
+    return AssetCard(
+        "fine_tuned",
+        {
+            "name": "fine_tuned",
+            "model_family": "qwen35",
+            "model_config": metadata["model_config"],
+            "checkpoint": str(checkpoint_dir / f"step_{_NUM_STEPS}" / "model"),
+        },
+    )
+
+
+def _load_fine_tuned_model(run_dir: Path) -> TransformerLM:
+    card = _fine_tuned_card(run_dir)
+
+    return get_qwen35_model_hub().load_model(card, device=torch.device("cpu"), dtype=torch.float32).eval()
+
+
+def test_exports_the_fine_tuned_weights_in_the_base_layout(sft_run: tuple[Path, Path], exports: dict[str, Path]) -> None:
+    base_dir, run_dir = sft_run
+
+    model = _load_fine_tuned_model(run_dir)
+
+    base = read_tensors(base_dir)
+
+    for name, out_dir in exports.items():
+        exported = read_tensors(out_dir)
+
+        assert exported.keys() == base.keys(), name
+
+        dtype = torch.bfloat16 if name == "default" else torch.float32
+
+        trained = to_hg_state_dict(model.state_dict(), get_qwen35_model_hub().get_model_config(_fine_tuned_card(run_dir)))
+
+        num_changed = 0
+
+        for key, tensor in exported.items():
+            if key.startswith(("model.visual.", "mtp.")):
+                assert torch.equal(tensor.float(), base[key].float()), key
+
+                continue
+
+            trained_tensor = trained[key.replace("model.language_model.", "model.")]
+
+            assert isinstance(trained_tensor, Tensor)
+
+            assert tensor.dtype == dtype
+            assert torch.equal(tensor, trained_tensor.to(dtype)), key
+
+            num_changed += not torch.equal(tensor.float(), base[key].float())
+
+        # SFT moved every tensor away from the base's; a bf16 cast hides
+        # some of the smallest updates.
+        if name == "fp32":
+            assert num_changed == sum(not k.startswith(("model.visual.", "mtp.")) for k in base)
+
+    assert read_config(exports["default"])["dtype"] == "bfloat16"
+    assert read_config(exports["default"])["vision_config"] == read_config(base_dir)["vision_config"]
+
+
+def test_training_time_export_equals_the_command(sft_run: tuple[Path, Path], exports: dict[str, Path]) -> None:
+    _, run_dir = sft_run
+
+    hg_dir = _checkpoint_dir(run_dir) / f"step_{_NUM_STEPS}" / "hg"
+
+    names = sorted(p.name for p in exports["default"].iterdir())
+
+    assert sorted(p.name for p in hg_dir.iterdir()) == names
+
+    for name in names:
+        assert (hg_dir / name).read_bytes() == (exports["default"] / name).read_bytes(), name
+
+
+def test_transformers_greedy_generation_equals_fairseq2(sft_run: tuple[Path, Path], exports: dict[str, Path]) -> None:
+    _, run_dir = sft_run
+
+    tokenizer = load_tokenizer("qwen35_tokenizer")
+
+    encoder = tokenizer.create_raw_encoder()
+
+    eos_idx = tokenizer.vocab_info.eos_idx
+
+    prompts = [encoder(prompt) for prompt in _PROMPTS]
+
+    # fp32 on both sides: the very same weights.
+    hf_tokens = hf_greedy_generate(exports["fp32"], [p.tolist() for p in prompts], _MAX_NEW_TOKENS, eos_token_id=eos_idx, model_class="conditional_generation")
+
+    model = _load_fine_tuned_model(run_dir)
+
+    # The generator counts the EOS it ends every hypothesis with.
+    generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=_MAX_NEW_TOKENS + 1, temperature=1.0)
+
+    for prompt, expected in zip(prompts, hf_tokens, strict=True):
+        seqs = prompt.unsqueeze(0)
+
+        output = generator(seqs, BatchLayout.of(seqs))
+
+        tokens = output.hypotheses[0][0].seq.tolist()
+
+        if eos_idx in tokens:
+            tokens = tokens[: tokens.index(eos_idx) + 1]
+
+        assert tokens[:_MAX_NEW_TOKENS] == expected
+
+        assert len(expected) == _MAX_NEW_TOKENS or expected[-1] == eos_idx
