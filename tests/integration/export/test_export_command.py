@@ -4,9 +4,11 @@ through fairseq2's own out-of-process exporter (empty environment)."""
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from fairseq2.checkpoint import HuggingFaceExportOptions, OutOfProcHuggingFaceEx
 from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
+from fairseq2.utils.structured import ValueConverter
 
 import qwen35_fs2.export_cli as export_cli
 from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run, read_tensors
@@ -110,6 +113,46 @@ def test_fails_for_a_base_of_another_architecture_and_leaves_nothing(runs: dict[
     assert "hidden_size (base: 96, model: 64)" in errors[0]
 
     assert list(tmp_path.iterdir()) == []
+
+
+def test_exports_an_asset_card_and_takes_one_as_base(runs: dict[TinyQwen35Spec, tuple[Path, Path, dict[int, Module]]], tmp_path: Path) -> None:
+    run_dir, base_dir, _ = runs[DENSE_VLM]
+
+    config = qwen35_config_from_hf(load_hf_config(base_dir))
+
+    card = {
+        "name": "tiny_qwen35_base",
+        "model_family": "qwen35",
+        "model_config": get_dependency_resolver().resolve(ValueConverter).unstructure(config),  # type: ignore[type-abstract]
+        "checkpoint": f"file://{base_dir}",
+    }
+
+    (tmp_path / "assets").mkdir()
+
+    (tmp_path / "assets" / "tiny.yaml").write_text(yaml.safe_dump(card))
+
+    env = {**os.environ, "FAIRSEQ2_USER_ASSET_DIR": str(tmp_path / "assets")}
+
+    def export(*args: str) -> None:
+        command = [sys.executable, "-m", "qwen35_fs2.export_cli", *args, "--no-rich"]
+
+        result = subprocess.run(command, env=env, capture_output=True, text=True)
+
+        assert result.returncode == 0, result.stderr
+
+    # The card's checkpoint is the base: the export reproduces it.
+    export("tiny_qwen35_base", str(tmp_path / "card"))
+
+    expected = read_tensors(base_dir)
+    actual = read_tensors(tmp_path / "card")
+
+    assert actual.keys() == expected.keys()
+    assert all(torch.equal(actual[k], v) for k, v in expected.items())
+
+    export(str(run_dir), str(tmp_path / "run"), "--base", "tiny_qwen35_base", "--step", "2")
+
+    assert read_tensors(tmp_path / "run").keys() == expected.keys()
+    assert (tmp_path / "run" / "tokenizer.json").is_file()
 
 
 def _export_like_the_trainer(run_dir: Path, step_nr: int) -> list[int]:
