@@ -49,7 +49,9 @@ def _kernel(variant: str) -> Any:
     for name in ("fla", "causal_conv1d"):
         sys.modules[name] = None  # type: ignore[assignment]
 
-    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (  # type: ignore[import-not-found]
+        torch_chunk_gated_delta_rule,
+    )
 
     return lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(
         q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True

@@ -96,7 +96,7 @@ def causal_conv1d(
 
         layout = _HistoryLayout.packed(lengths, width, x.device)
 
-    y, final_state = _CausalConv1dFunction.apply(
+    y, final_state = _CausalConv1dFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, initial_state, activation == "silu", output_final_state, layout
     )
 
@@ -246,7 +246,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
     pre-activation in the backward."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: Tensor,
         weight: Tensor,
@@ -272,7 +272,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         return y.reshape(x.shape), final_state
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, dy: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         history, weight = ctx.saved_tensors

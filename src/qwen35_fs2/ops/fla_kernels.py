@@ -36,7 +36,7 @@ def fla_gated_delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """Runs fla's chunked kernel, or its fused recurrent one to decode a single
     token without gradients (it has no backward)."""
-    from fla.ops.gated_delta_rule import (
+    from fla.ops.gated_delta_rule import (  # type: ignore[import-untyped]
         chunk_gated_delta_rule,
         fused_recurrent_gated_delta_rule,
     )
@@ -102,7 +102,7 @@ def fla_causal_conv1d(
     if initial_state is None and not output_final_state and has_causal_conv1d():
         return _dao_causal_conv1d(x, weight, activation, cu_seqlens), None
 
-    from fla.modules.causal_conv1d import causal_conv1d
+    from fla.modules.causal_conv1d import causal_conv1d  # type: ignore[import-untyped]
 
     if cu_seqlens is not None:
         cu_seqlens = _fresh_offsets(cu_seqlens)
@@ -129,7 +129,7 @@ def fla_causal_conv1d(
 def _dao_causal_conv1d(
     x: Tensor, weight: Tensor, activation: Literal["silu"] | None, cu_seqlens: Tensor | None
 ) -> Tensor:
-    from causal_conv1d import causal_conv1d_fn
+    from causal_conv1d import causal_conv1d_fn  # type: ignore[import-not-found]
 
     seq_idx: Tensor | None = None
 
@@ -141,8 +141,12 @@ def _dao_causal_conv1d(
         seq_idx = seq_idx.to(torch.int32).unsqueeze(0)
 
     # `seq_idx` needs channel-last inputs: (B, T, D) seen as (B, D, T).
-    y = causal_conv1d_fn(
-        x.transpose(1, 2), weight.to(x.dtype), bias=None, seq_idx=seq_idx, activation=activation
+    y: Tensor = causal_conv1d_fn(
+        x.contiguous().transpose(1, 2),
+        weight.to(x.dtype),
+        bias=None,
+        seq_idx=seq_idx,
+        activation=activation,
     )
 
     return y.transpose(1, 2)
@@ -150,9 +154,11 @@ def _dao_causal_conv1d(
 
 def fla_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Runs fla's fused gated RMSNorm (``FusedRMSNormGated``'s function)."""
-    from fla.modules.fused_norm_gate import rms_norm_gated
+    from fla.modules.fused_norm_gate import rms_norm_gated  # type: ignore[import-untyped]
 
-    return rms_norm_gated(x, gate, weight, None, activation="silu", eps=eps)
+    y: Tensor = rms_norm_gated(x, gate, weight, None, activation="silu", eps=eps)
+
+    return y
 
 
 def _fresh_offsets(cu_seqlens: Tensor) -> Tensor:

@@ -58,9 +58,11 @@ def make_delta_rule_inputs(
     return DeltaRuleInputs(q.to(dtype), k.to(dtype), v.to(dtype), g.to(dtype), beta.to(dtype))
 
 
-def assert_close(name: str, expected: Tensor, actual: Tensor, ratio: float) -> None:
+def assert_close(name: str, expected: Tensor | None, actual: Tensor | None, ratio: float) -> None:
     """Asserts ``rms(actual - expected) <= ratio * rms(expected)``, as fla's
     tests do, and that ``actual`` is finite."""
+    assert expected is not None and actual is not None, f"{name}: missing"
+
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
 
     if expected.numel() == 0:

@@ -41,7 +41,12 @@ def run_with_grads(
 
     torch.autograd.backward([y, ht], [dy, dht])
 
-    return {"y": y, "ht": ht, "dx": leaves[0].grad, "dweight": leaves[1].grad, "dh0": leaves[2].grad}
+    grads = {"dx": leaves[0].grad, "dweight": leaves[1].grad, "dh0": leaves[2].grad}
+
+    for name, grad in grads.items():
+        assert grad is not None, name
+
+    return {"y": y, "ht": ht, **grads}  # type: ignore[dict-item]
 
 
 class TestCausalConv1d:
@@ -90,9 +95,9 @@ class TestCausalConv1d:
             assert_close(f"y of document {idx}", y, actual["y"][0, begin:end], 1e-6)
             assert_close(f"ht of document {idx}", ht, actual["ht"][idx], 1e-6)
 
-            assert_close(f"dx of document {idx}", leaves[0].grad, actual["dx"][0, begin:end], 1e-6)  # type: ignore[arg-type]
+            assert_close(f"dx of document {idx}", leaves[0].grad, actual["dx"][0, begin:end], 1e-6)
 
-            assert_close(f"dh0 of document {idx}", leaves[2].grad, actual["dh0"][idx], 1e-6)  # type: ignore[arg-type]
+            assert_close(f"dh0 of document {idx}", leaves[2].grad, actual["dh0"][idx], 1e-6)
 
             begin = end
 
@@ -133,8 +138,12 @@ class TestCausalConv1d:
 
         cu_seqlens = torch.tensor([0, 2, 2, 9]) if packed else None
 
-        def fn(x: Tensor, weight: Tensor, h0: Tensor) -> tuple[Tensor, Tensor | None]:
-            return causal_conv1d(x, weight, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+        def fn(x: Tensor, weight: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+            y, ht = causal_conv1d(x, weight, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+
+            assert ht is not None
+
+            return y, ht
 
         assert torch.autograd.gradcheck(fn, (x, weight, h0), fast_mode=True)
 

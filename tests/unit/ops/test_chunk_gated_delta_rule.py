@@ -139,8 +139,8 @@ class TestChunkGatedDeltaRule:
 
         h0 = torch.randn(num_seqs, num_v_heads, key_dim, value_dim, dtype=torch.float64).requires_grad_()
 
-        def fn(*args: Tensor) -> tuple[Tensor, Tensor | None]:
-            return chunk_gated_delta_rule(
+        def fn(*args: Tensor) -> tuple[Tensor, Tensor]:
+            o, ht = chunk_gated_delta_rule(
                 *args[:5],
                 initial_state=args[5],
                 output_final_state=True,
@@ -148,6 +148,10 @@ class TestChunkGatedDeltaRule:
                 use_qk_l2norm=use_qk_l2norm,
                 chunk_size=chunk_size,
             )
+
+            assert ht is not None
+
+            return o, ht
 
         assert torch.autograd.gradcheck(fn, (*inputs.tensors(), h0), atol=1e-7, rtol=1e-6, fast_mode=True)
 
@@ -236,7 +240,11 @@ class TestChunkGatedDeltaRule:
         expected = run_with_grads(chunk_gated_delta_rule, inputs, h0, do, dht)
 
         def piecewise_kernel(*args: Tensor, initial_state: Tensor, **kwargs: object) -> tuple[Tensor, Tensor | None]:
-            outputs, state, begin = [], initial_state, 0
+            outputs: list[Tensor] = []
+
+            state: Tensor | None = initial_state
+
+            begin = 0
 
             for length in pieces:
                 piece = (t[:, begin : begin + length] for t in args)
@@ -294,6 +302,8 @@ class TestChunkGatedDeltaRule:
         o, ht = chunk_gated_delta_rule(
             *inputs.tensors(), initial_state=h0, output_final_state=True, chunk_size=chunk_size
         )
+
+        assert ht is not None
 
         torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from qwen35_fs2.ops import gated_rms_norm
 
@@ -36,7 +37,10 @@ class TestGatedRmsNorm:
 
         weight = weight[0].detach().requires_grad_()
 
-        assert torch.autograd.gradcheck(lambda *args: gated_rms_norm(*args, 1e-6), (x, gate, weight))
+        def fn(x: Tensor, gate: Tensor, weight: Tensor) -> Tensor:
+            return gated_rms_norm(x, gate, weight, 1e-6)
+
+        assert torch.autograd.gradcheck(fn, (x, gate, weight))
 
     def test_raises_error_when_gate_has_another_shape(self) -> None:
         with pytest.raises(ValueError, match=r"`gate` must be of the shape of `x` \(2, 4\)"):

@@ -99,7 +99,7 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta, initial_state, scale, use_qk_l2norm, output_final_state, layout
     )
 
-    return o, final_state  # type: ignore[no-any-return]
+    return o, final_state
 
 
 def _empty_outputs(
@@ -317,7 +317,7 @@ def _invert_unit_lower(a: Tensor, block_size: int = 16) -> Tensor:
         [a[..., i : i + block_size, i : i + block_size] for i in range(0, size, block_size)], dim=-3
     )
 
-    diag_inv = torch.linalg.solve_triangular(
+    diag_inv: Tensor = torch.linalg.solve_triangular(
         diag, eye.expand_as(diag), upper=False, unitriangular=True
     )
 
@@ -479,7 +479,7 @@ class _ChunkTerms:
 
 class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         q: Tensor,
         k: Tensor,
@@ -552,7 +552,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    def backward(  # type: ignore[override]
+    def backward(
         ctx: Any, do: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         q, k, v, g, beta, initial_state, s, inv, vn = ctx.saved_tensors
@@ -581,15 +581,9 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         state_shape = s.shape[1:]
 
         if dht is None:
-            dht_rows = None
+            dht_rows = s.new_zeros((layout.num_seqs,) + state_shape)
         else:
             dht_rows = layout.to_rows(dht.to(s.dtype).view((-1,) + state_shape))
-
-        def final_grads(begin: int, end: int) -> Tensor:
-            if dht_rows is None:
-                return s.new_zeros((end - begin,) + state_shape)
-
-            return dht_rows[begin:end]
 
         # The gradients of the state at every chunk end, and of the writes.
         dstate = s.new_zeros((0,) + state_shape)
@@ -598,7 +592,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         for begin, end, next_size in reversed(layout.step_bounds()):
             if end - begin > next_size:
-                dstate = torch.cat([dstate, final_grads(next_size, end - begin)])
+                dstate = torch.cat([dstate, dht_rows[next_size : end - begin]])
 
             dvn = _addmm(dvn_out[begin:end], terms.kd[begin:end], dstate)
 
@@ -608,7 +602,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             dstate = torch.addcmul(ds_out[begin:end], chunk_decay[begin:end], dstate)
             dstate = _addmm(dstate, w[begin:end].mT, dvn, alpha=-1.0)
 
-        dh0 = torch.cat([dstate, final_grads(layout.first_step_size, layout.num_seqs)])
+        dh0 = torch.cat([dstate, dht_rows[layout.first_step_size :]])
 
         ds_end, dvn = torch.cat(end_grads[::-1]), torch.cat(write_grads[::-1])
 

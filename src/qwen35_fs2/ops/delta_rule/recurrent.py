@@ -91,9 +91,14 @@ def recurrent_gated_delta_rule(
         for seq_idx, length in enumerate(lengths):
             end = begin + length
 
-            seq = (t[:, begin:end] for t in (q, k, v, g, beta))
-
-            seq_o, seq_state = _recur(*seq, state[seq_idx : seq_idx + 1])
+            seq_o, seq_state = _recur(
+                q[:, begin:end],
+                k[:, begin:end],
+                v[:, begin:end],
+                g[:, begin:end],
+                beta[:, begin:end],
+                state[seq_idx : seq_idx + 1],
+            )
 
             outputs.append(seq_o)
 
