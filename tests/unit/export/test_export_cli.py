@@ -172,6 +172,12 @@ class TestMain:
         assert "Replace them with `--force`" in _errors(caplog)
         assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
+    def test_fails_for_a_read_only_output_location_and_leaves_nothing(self, run_dir: Path, read_only_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+        assert main([str(run_dir), str(read_only_dir / "out")]) == 1
+
+        assert "The export cannot be written next to" in _errors(caplog)
+        assert list(read_only_dir.iterdir()) == []
+
     def test_returns_2_for_a_usage_error(self, tmp_path: Path) -> None:
         assert main([str(tmp_path), str(tmp_path / "out"), "--dtype", "int8"]) == 2
 

@@ -602,31 +602,3 @@ def _umask() -> int:
     os.umask(umask)
 
     return umask
-
-
-@pytest.fixture
-def read_only_dir(tmp_path: Path) -> object:
-    """An empty directory nobody may write to: a read-only tmpfs for root,
-    whom file modes do not stop, a mode-0555 directory otherwise."""
-    path = tmp_path / "ro"
-
-    path.mkdir()
-
-    if os.geteuid() != 0:
-        path.chmod(0o555)
-
-        yield path
-
-        path.chmod(0o755)
-
-        return
-
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True, text=True)
-
-    if mount.returncode != 0:
-        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mount.stderr.strip()}")
-
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=True)
