@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, final
+from typing import Any, Final, Literal, final
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.nn import Module, Parameter
 from typing_extensions import override
 
@@ -20,13 +21,22 @@ from fairseq2.gang import Gangs, get_current_gangs
 from fairseq2.models.transformer import FeedForwardNetwork
 from fairseq2.nn import BatchLayout
 
-ExpertDispatch = Literal["auto", "grouped_mm", "loop"]
+ExpertDispatch = Literal["auto", "grouped_mm", "batched", "loop"]
 """
-How :class:`RoutedExperts` runs the experts on their tokens: ``grouped_mm``
-(one ``torch._grouped_mm`` per projection; CUDA compute capability 9.0 or
-newer, bf16), ``loop`` (one GEMM per expert with tokens; runs anywhere), or
-``auto`` (``grouped_mm`` where supported, otherwise ``loop``).
+How :class:`RoutedExperts` runs the experts on their tokens:
+
+- ``grouped_mm``: one ``torch._grouped_mm`` per projection (CUDA compute
+  capability 9.0 or newer, bf16);
+- ``batched``: one ``bmm`` per projection over the tokens of each expert
+  padded to the largest group (runs anywhere; computes the padding too);
+- ``loop``: one GEMM per expert with tokens (runs anywhere; exact work, but
+  one call per expert);
+- ``auto``: ``grouped_mm`` where supported, otherwise ``batched`` when
+  padding adds at most half the tokens, otherwise ``loop``.
 """
+
+_MAX_BATCHED_PADDING: Final = 0.5
+"""The largest fraction of padding rows for which ``auto`` picks ``batched``."""
 
 ParameterInitializer = Callable[[Parameter], None]
 
@@ -142,9 +152,9 @@ class RoutedExperts(Module):
     ) -> None:
         super().__init__()
 
-        if dispatch not in ("auto", "grouped_mm", "loop"):
+        if dispatch not in ("auto", "grouped_mm", "batched", "loop"):
             raise ValueError(
-                f"`dispatch` must be 'auto', 'grouped_mm', or 'loop', but is '{dispatch}' instead."
+                f"`dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is '{dispatch}' instead."
             )
 
         self.num_experts = num_experts
@@ -181,29 +191,58 @@ class RoutedExperts(Module):
 
         :returns: *Shape:* Same as ``seqs``.
         """
-        if self.resolve_dispatch(seqs) == "grouped_mm":
+        if self._use_grouped_mm(seqs):
             return self._forward_grouped_mm(seqs, tokens_per_expert)
 
-        return self._forward_loop(seqs, tokens_per_expert)
+        # Host integers: both fallbacks need the group bounds.
+        group_sizes = tokens_per_expert.tolist()
 
-    def resolve_dispatch(self, seqs: Tensor) -> Literal["grouped_mm", "loop"]:
-        """Returns the path :meth:`forward` takes for ``seqs``.
+        if self.resolve_fallback(group_sizes) == "batched":
+            function = _BatchedSwiGLUExperts
+        else:
+            function = _LoopedSwiGLUExperts
 
-        :raises NotSupportedError: if ``grouped_mm`` is requested but cannot
-            run on ``seqs``.
-        """
-        if self.dispatch == "loop":
-            return "loop"
+        dtype = _compute_dtype(seqs)
+
+        with torch.autocast(seqs.device.type, enabled=False):
+            output: Tensor = function.apply(
+                seqs.to(dtype),
+                self.gate_inner_proj.to(dtype),
+                self.output_proj.to(dtype),
+                group_sizes,
+            )
+
+        return output
+
+    def _use_grouped_mm(self, seqs: Tensor) -> bool:
+        if self.dispatch in ("batched", "loop"):
+            return False
 
         reason = self._grouped_mm_unsupported_reason(seqs)
 
         if reason is None:
-            return "grouped_mm"
+            return True
 
         if self.dispatch == "grouped_mm":
             raise NotSupportedError(
-                f"The `grouped_mm` expert dispatch cannot run here: {reason} Use `loop` or `auto` instead."
+                f"The `grouped_mm` expert dispatch cannot run here: {reason} Use `batched`, `loop`, or `auto` instead."
             )
+
+        return False
+
+    def resolve_fallback(self, group_sizes: list[int]) -> Literal["batched", "loop"]:
+        """Returns the path :meth:`forward` takes where ``grouped_mm`` cannot
+        run, for experts receiving ``group_sizes`` tokens."""
+        if self.dispatch == "loop":
+            return "loop"
+
+        if self.dispatch == "batched":
+            return "batched"
+
+        num_padded_rows = len(group_sizes) * max(group_sizes, default=0)
+
+        if num_padded_rows <= (1.0 + _MAX_BATCHED_PADDING) * sum(group_sizes):
+            return "batched"
 
         return "loop"
 
@@ -245,28 +284,6 @@ class RoutedExperts(Module):
         # (T_r, I) @ (E, I, M) -> (T_r, M)
         return torch._grouped_mm(F.silu(gate) * inner, output_proj, offs=offsets)
 
-    def _forward_loop(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        # `unbind` and `split` rather than indexing: their backward passes
-        # stack and concatenate the gradients instead of accumulating a
-        # zero-filled full-size gradient per expert.
-        gate_inner_projs = self.gate_inner_proj.unbind(0)
-        output_projs = self.output_proj.unbind(0)
-
-        outputs = []
-
-        for expert_idx, expert_seqs in enumerate(seqs.split(tokens_per_expert.tolist())):
-            if expert_seqs.size(0) == 0:
-                continue
-
-            gate, inner = F.linear(expert_seqs, gate_inner_projs[expert_idx]).chunk(2, dim=-1)
-
-            outputs.append(F.linear(F.silu(gate) * inner, output_projs[expert_idx]))
-
-        if not outputs:
-            return seqs.new_empty(seqs.shape)
-
-        return torch.cat(outputs)
-
     @override
     def extra_repr(self) -> str:
         return (
@@ -275,6 +292,244 @@ class RoutedExperts(Module):
             f"inner_dim={self.inner_dim}, "
             f"dispatch={self.dispatch}"
         )
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x[index]`` where each row of ``x`` is gathered ``repeats`` times and
+    ``grad_index`` inverts ``index`` (``index[grad_index]`` lists each row
+    ``repeats`` times in a row).
+
+    The backward pass is then a gather and a sum too; autograd's own, an
+    index-add, is serial on CPU and not deterministic on GPU.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, index: Tensor, grad_index: Tensor, repeats: int
+    ) -> Tensor:
+        ctx.save_for_backward(grad_index)
+
+        ctx.repeats = repeats
+
+        return x.index_select(0, index)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
+        (grad_index,) = ctx.saved_tensors
+
+        grad = grad_output.index_select(0, grad_index)
+
+        if ctx.repeats > 1:
+            # (T x K, M) -> (T, K, M) -> (T, M)
+            grad = grad.view(-1, ctx.repeats, grad.size(-1)).sum(dim=1)
+
+        return grad, None, None, None
+
+
+class _LoopedSwiGLUExperts(torch.autograd.Function):
+    """The SwiGLU experts on tokens sorted by expert, one GEMM per expert and
+    projection, each writing into one output buffer.
+
+    Autograd over per-expert slices would concatenate the outputs and stack
+    the per-expert weight gradients, copying every activation and gradient
+    once more; here the gradients of the stacked weights are written in
+    place, and the elementwise SwiGLU runs once over all tokens.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        seqs: Tensor,
+        gate_inner_proj: Tensor,
+        output_proj: Tensor,
+        group_sizes: list[int],
+    ) -> Tensor:
+        groups = _group_bounds(group_sizes)
+
+        # (T_r, M) @ (M, 2I) per expert -> (T_r, 2I)
+        gate_inner = seqs.new_empty((seqs.size(0), gate_inner_proj.size(1)))
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(seqs[start:end], gate_inner_proj[expert_idx].t(), out=gate_inner[start:end])
+
+        hidden = _swiglu(gate_inner)
+
+        # (T_r, I) @ (I, M) per expert -> (T_r, M)
+        output = seqs.new_empty((seqs.size(0), output_proj.size(1)))
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(hidden[start:end], output_proj[expert_idx].t(), out=output[start:end])
+
+        # `hidden` is recomputed from `gate_inner` in the backward pass.
+        ctx.save_for_backward(seqs, gate_inner, gate_inner_proj, output_proj)
+
+        ctx.groups = groups
+
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        seqs, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
+
+        groups = ctx.groups
+
+        grad_output = grad_output.contiguous()
+
+        hidden = _swiglu(gate_inner)
+
+        grad_hidden = torch.empty_like(hidden)
+
+        # Experts without tokens get zero gradients.
+        grad_output_proj = torch.zeros_like(output_proj)
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(grad_output[start:end], output_proj[expert_idx], out=grad_hidden[start:end])
+
+            torch.mm(grad_output[start:end].t(), hidden[start:end], out=grad_output_proj[expert_idx])
+
+        grad_gate_inner = _swiglu_backward(gate_inner, grad_hidden)
+
+        grad_seqs = torch.empty_like(seqs)
+
+        grad_gate_inner_proj = torch.zeros_like(gate_inner_proj)
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(grad_gate_inner[start:end], gate_inner_proj[expert_idx], out=grad_seqs[start:end])
+
+            torch.mm(grad_gate_inner[start:end].t(), seqs[start:end], out=grad_gate_inner_proj[expert_idx])
+
+        return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
+
+
+class _BatchedSwiGLUExperts(torch.autograd.Function):
+    """The SwiGLU experts on tokens sorted by expert, as batched GEMMs over
+    the tokens of each expert padded to the largest group.
+
+    Two ``bmm`` calls per pass instead of two GEMMs per expert: on a shared
+    CPU the per-call thread synchronisation of many small GEMMs costs more
+    than moderate padding. Padding rows are zero, so they add nothing to the
+    weight gradients.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        seqs: Tensor,
+        gate_inner_proj: Tensor,
+        output_proj: Tensor,
+        group_sizes: list[int],
+    ) -> Tensor:
+        num_experts = len(group_sizes)
+
+        capacity = max(group_sizes)
+
+        rows = _padded_rows(group_sizes, capacity, seqs.device)
+
+        # (T_r, M) -> (E, C, M)
+        padded_seqs = _pad_rows(seqs, rows, num_experts * capacity).view(num_experts, capacity, -1)
+
+        # (E, C, M) @ (E, M, 2I) -> (E, C, 2I)
+        gate_inner = torch.bmm(padded_seqs, gate_inner_proj.transpose(1, 2))
+
+        # (E, C, I) @ (E, I, M) -> (E, C, M)
+        output = torch.bmm(_swiglu(gate_inner), output_proj.transpose(1, 2))
+
+        ctx.save_for_backward(seqs, rows, gate_inner, gate_inner_proj, output_proj)
+
+        # (E, C, M) -> (T_r, M)
+        return output.flatten(0, 1).index_select(0, rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, None]:
+        seqs, rows, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
+
+        num_experts, capacity = gate_inner.shape[:2]
+
+        # (T_r, M) -> (E, C, M)
+        grad_output = _pad_rows(grad_output, rows, num_experts * capacity).view(num_experts, capacity, -1)
+
+        hidden = _swiglu(gate_inner)
+
+        # (E, C, M) @ (E, M, I) -> (E, C, I)
+        grad_hidden = torch.bmm(grad_output, output_proj)
+
+        # (E, M, C) @ (E, C, I) -> (E, M, I)
+        grad_output_proj = torch.bmm(grad_output.transpose(1, 2), hidden)
+
+        grad_gate_inner = _swiglu_backward(gate_inner, grad_hidden)
+
+        padded_seqs = _pad_rows(seqs, rows, num_experts * capacity).view(num_experts, capacity, -1)
+
+        # (E, 2I, C) @ (E, C, M) -> (E, 2I, M)
+        grad_gate_inner_proj = torch.bmm(grad_gate_inner.transpose(1, 2), padded_seqs)
+
+        # (E, C, 2I) @ (E, 2I, M) -> (E, C, M) -> (T_r, M)
+        grad_seqs = torch.bmm(grad_gate_inner, gate_inner_proj).flatten(0, 1).index_select(0, rows)
+
+        return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
+
+
+def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> Tensor:
+    """Returns the row of each sorted token in the experts' groups padded to
+    ``capacity`` rows each."""
+    sizes = torch.tensor(group_sizes, device=device)
+
+    group_starts = sizes.cumsum(0) - sizes
+
+    experts = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
+
+    positions = torch.arange(experts.size(0), device=device) - group_starts[experts]
+
+    return experts * capacity + positions
+
+
+def _pad_rows(x: Tensor, rows: Tensor, num_rows: int) -> Tensor:
+    """Returns ``num_rows`` rows, ``x`` at ``rows`` and zero elsewhere."""
+    return x.new_zeros((num_rows, x.size(-1))).index_copy_(0, rows, x)
+
+
+def _swiglu(gate_inner: Tensor) -> Tensor:
+    """``silu(gate) * inner``, with the gate in the first half of the last
+    dimension of ``gate_inner``."""
+    gate, inner = gate_inner.chunk(2, dim=-1)
+
+    return F.silu(gate) * inner
+
+
+def _swiglu_backward(gate_inner: Tensor, grad_hidden: Tensor) -> Tensor:
+    """Returns the gradient of :func:`_swiglu` with respect to ``gate_inner``."""
+    gate, inner = gate_inner.chunk(2, dim=-1)
+
+    gate_sigmoid = torch.sigmoid(gate)
+
+    # d silu(g) / dg = sigmoid(g) (1 + g (1 - sigmoid(g)))
+    grad_gate = grad_hidden * inner * gate_sigmoid * (1.0 + gate * (1.0 - gate_sigmoid))
+
+    grad_inner = grad_hidden * gate * gate_sigmoid
+
+    return torch.cat([grad_gate, grad_inner], dim=-1)
+
+
+def _group_bounds(group_sizes: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    """Returns ``(expert index, (start, end))`` of each expert with tokens."""
+    bounds = []
+
+    start = 0
+
+    for expert_idx, size in enumerate(group_sizes):
+        if size > 0:
+            bounds.append((expert_idx, (start, start + size)))
+
+        start += size
+
+    return bounds
 
 
 @final
@@ -376,13 +631,18 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         sorted_slots = slot_experts.argsort(stable=True)
 
+        # The position of each slot in the sorted order.
+        slot_positions = sorted_slots.argsort()
+
         tokens_per_expert = torch.bincount(slot_experts, minlength=self.experts.num_experts)
 
-        # (T x K, M), sorted by expert
-        expert_outputs = self.experts(x.index_select(0, sorted_slots // top_k), tokens_per_expert)
+        # (T, M) -> (T x K, M), sorted by expert
+        sorted_seqs = _GatherRows.apply(x, sorted_slots // top_k, slot_positions, top_k)
 
-        # Back to (token, slot) order: a permutation, so deterministic.
-        expert_outputs = expert_outputs.index_select(0, sorted_slots.argsort())
+        expert_outputs = self.experts(sorted_seqs, tokens_per_expert)
+
+        # Back to (token, slot) order.
+        expert_outputs = _GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)
 
         # (T, 1, K) @ (T, K, M) -> (T, M)
         routed = torch.bmm(

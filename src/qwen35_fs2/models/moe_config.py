@@ -64,7 +64,8 @@ class Qwen35ExpertsConfig:
     dispatch: ExpertDispatch = "auto"
     """
     How experts run on their tokens: ``grouped_mm`` (Hopper GPUs, bf16),
-    ``loop`` (anywhere), or ``auto`` (the first that can run).
+    ``batched`` or ``loop`` (anywhere), or ``auto``; see
+    :data:`~qwen35_fs2.models.moe.ExpertDispatch`.
     """
 
 
@@ -129,9 +130,9 @@ class Qwen35MoeConfig(Qwen35Config):
                     f"`experts.dense_layers` must hold layer indices in [0, {self.num_layers}), but holds {layer_idx}."
                 )
 
-        if experts.dispatch not in ("auto", "grouped_mm", "loop"):
+        if experts.dispatch not in ("auto", "grouped_mm", "batched", "loop"):
             result.add_error(
-                f"`experts.dispatch` must be 'auto', 'grouped_mm', or 'loop', but is '{experts.dispatch}' instead."
+                f"`experts.dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is '{experts.dispatch}' instead."
             )
 
         return result

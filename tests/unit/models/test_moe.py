@@ -24,7 +24,7 @@ from fairseq2.models.transformer_lm import apply_ac_to_transformer_lm
 from fairseq2.nn import BatchLayout, Linear
 
 from qwen35_fs2.models import collect_moe_statistics, create_qwen35_moe_model
-from qwen35_fs2.models.moe import Qwen35MoeBlock, RoutedExperts, TopKRouter
+from qwen35_fs2.models.moe import ExpertDispatch, Qwen35MoeBlock, RoutedExperts, TopKRouter
 from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
 
 MODEL_DIM = 16
@@ -35,7 +35,13 @@ def _normal(param: Tensor) -> None:
 
 
 def _make_block(
-    num_experts: int = 6, top_k: int = 2, inner_dim: int = 8, *, normalize_top_k: bool = True, seed: int = 0
+    num_experts: int = 6,
+    top_k: int = 2,
+    inner_dim: int = 8,
+    *,
+    normalize_top_k: bool = True,
+    dispatch: ExpertDispatch = "auto",
+    seed: int = 0,
 ) -> Qwen35MoeBlock:
     torch.manual_seed(seed)
 
@@ -44,7 +50,7 @@ def _make_block(
 
     return Qwen35MoeBlock(
         TopKRouter(MODEL_DIM, num_experts, top_k, normalize_top_k=normalize_top_k, init_fn=_normal),
-        RoutedExperts(num_experts, MODEL_DIM, inner_dim, init_fn=_normal),
+        RoutedExperts(num_experts, MODEL_DIM, inner_dim, dispatch=dispatch, init_fn=_normal),
         GLUFeedForwardNetwork(MODEL_DIM, 12, bias=False, inner_dim_scale=1.0, proj_init_fn=init_linear),
         Linear(MODEL_DIM, 1, bias=False, init_fn=init_linear),
     )
@@ -130,10 +136,13 @@ class TestTopKRouter:
 
 
 class TestQwen35MoeBlock:
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
     @pytest.mark.parametrize("normalize_top_k", [True, False])
     @pytest.mark.parametrize("shape", [(3, 7, MODEL_DIM), (11, MODEL_DIM)])
-    def test_forward_and_gradients_match_naive_moe(self, shape: tuple[int, ...], normalize_top_k: bool) -> None:
-        block = _make_block(normalize_top_k=normalize_top_k)
+    def test_forward_and_gradients_match_naive_moe(
+        self, shape: tuple[int, ...], normalize_top_k: bool, dispatch: ExpertDispatch
+    ) -> None:
+        block = _make_block(normalize_top_k=normalize_top_k, dispatch=dispatch)
 
         reference = copy.deepcopy(block)
 
@@ -173,8 +182,9 @@ class TestQwen35MoeBlock:
         # 10 tokens x 2 slots, not 10 tokens x 6 experts.
         assert num_rows == 20 and sum(tokens_per_expert) == 20
 
-    def test_an_expert_without_tokens_gets_zero_gradient(self) -> None:
-        block = _make_block(num_experts=6, top_k=1)
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_an_expert_without_tokens_gets_zero_gradient(self, dispatch: ExpertDispatch) -> None:
+        block = _make_block(num_experts=6, top_k=1, dispatch=dispatch)
 
         # Route every token to expert 0.
         with torch.no_grad():
@@ -193,7 +203,7 @@ class TestQwen35MoeBlock:
 
 
 class TestRoutedExperts:
-    def test_grouped_mm_path_matches_loop_path(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_grouped_mm_path_matches_the_fallbacks(self, monkeypatch: pytest.MonkeyPatch) -> None:
         # PyTorch 2.9 runs the forward pass of `_grouped_mm` on CPU, which
         # checks our use of it (offsets, transposed weights) without a GPU.
         torch.manual_seed(0)
@@ -210,16 +220,50 @@ class TestRoutedExperts:
         with torch.no_grad():
             grouped = experts(seqs, tokens_per_expert)
 
-            experts.dispatch = "loop"
+            for fallback in ("batched", "loop"):
+                experts.dispatch = fallback
 
-            looped = experts(seqs, tokens_per_expert)
+                torch.testing.assert_close(experts(seqs, tokens_per_expert), grouped, atol=1e-5, rtol=1e-5)
 
-        torch.testing.assert_close(grouped, looped, atol=1e-5, rtol=1e-5)
+    def test_fallbacks_agree_in_forward_and_backward(self) -> None:
+        torch.manual_seed(0)
 
-    def test_auto_dispatch_loops_on_cpu(self) -> None:
+        batched = RoutedExperts(5, MODEL_DIM, 8, dispatch="batched", init_fn=_normal)
+
+        looped = copy.deepcopy(batched)
+
+        looped.dispatch = "loop"
+
+        tokens_per_expert = torch.tensor([3, 0, 7, 1, 0])
+
+        seqs = torch.randn(11, MODEL_DIM, requires_grad=True)
+        seqs_looped = seqs.detach().clone().requires_grad_()
+
+        output, output_looped = batched(seqs, tokens_per_expert), looped(seqs_looped, tokens_per_expert)
+
+        torch.testing.assert_close(output, output_looped)
+
+        cotangent = torch.randn_like(output)
+
+        (output * cotangent).sum().backward()
+        (output_looped * cotangent).sum().backward()
+
+        torch.testing.assert_close(seqs.grad, seqs_looped.grad)
+
+        for name, grad in _grads(looped).items():
+            torch.testing.assert_close(_grads(batched)[name], grad, msg=name)
+
+    def test_auto_dispatch_pads_only_moderately_unbalanced_groups(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8)
 
-        assert experts.resolve_dispatch(torch.randn(3, MODEL_DIM)) == "loop"
+        # 4 x 5 = 20 padded rows for 14 tokens; then 4 x 9 = 36 for 12.
+        assert experts.resolve_fallback([5, 3, 2, 4]) == "batched"
+        assert experts.resolve_fallback([9, 1, 1, 1]) == "loop"
+
+        # Without a CUDA device, `auto` takes a fallback.
+        output = experts(torch.randn(12, MODEL_DIM), torch.tensor([9, 1, 1, 1]))
+
+        assert output.shape == (12, MODEL_DIM)
 
     def test_grouped_mm_dispatch_raises_error_on_cpu(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8, dispatch="grouped_mm")

@@ -157,7 +157,7 @@ class TestQwen35MoeConfig:
 
         assert "`experts.num_experts` must be greater than or equal to 1, but is 0 instead." in message
         assert "`experts.dense_layers` must hold layer indices in [0, 4), but holds 4." in message
-        assert "`experts.dispatch` must be 'auto', 'grouped_mm', or 'loop', but is 'dense' instead." in message
+        assert "`experts.dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is 'dense' instead." in message
 
     def test_model_creation_rejects_an_invalid_config(self) -> None:
         config = tiny_qwen35_moe_config()
