@@ -75,7 +75,7 @@ node_name() { if [ "$1" = 1 ]; then echo "$H"; else echo "n$1"; fi; }
 {
     cat <<EOF
 ClusterName=qwen35ci
-SlurmctldHost=$H
+SlurmctldHost=$H(127.0.0.1)
 SlurmctldPort=$PORT
 SlurmUser=root
 AuthType=auth/munge
