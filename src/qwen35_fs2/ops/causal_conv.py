@@ -90,7 +90,7 @@ def causal_conv1d(
         raise ValueError(f"`backend` must be 'torch' or 'fla', but is '{backend}' instead.")
 
     if cu_seqlens is None:
-        layout = _HistoryLayout.regular(batch_size, seq_len, width)
+        layout = _HistoryLayout.regular(seq_len, width)
     else:
         lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
 
@@ -128,7 +128,7 @@ class _HistoryLayout:
     """``[N, W - 1]``: the history rows of the final states."""
 
     @staticmethod
-    def regular(batch_size: int, seq_len: int, width: int) -> _HistoryLayout:
+    def regular(seq_len: int, width: int) -> _HistoryLayout:
         return _HistoryLayout(width, width - 1 + seq_len, None, None, None)
 
     @staticmethod
@@ -206,9 +206,10 @@ class _HistoryLayout:
         return pre[:, self.token_rows - (self.width - 1)]
 
     def scatter_outputs(self, dy: Tensor) -> Tensor:
-        """The transpose of :meth:`outputs`, always a new tensor."""
+        """The transpose of :meth:`outputs` (``dy`` itself for a regular
+        batch)."""
         if self.token_rows is None:
-            return dy.clone(memory_format=torch.contiguous_format)
+            return dy
 
         dpre = dy.new_zeros((1, self.num_rows - (self.width - 1), dy.size(-1)))
 
@@ -286,14 +287,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         dpre = layout.scatter_outputs(dy)
 
         if ctx.silu:
-            pre = _convolve(history, w)
-
-            sig = torch.sigmoid(pre)
-
-            # silu'(z) = sig(z) (1 + z (1 - sig(z)))
-            dpre.mul_(pre.mul_(1.0 - sig).add_(1.0).mul_(sig))
-
-            del pre, sig
+            dpre = torch.ops.aten.silu_backward(dpre, _convolve(history, w))
 
         num_rows = dpre.size(1)
 
@@ -301,10 +295,14 @@ class _CausalConv1dFunction(torch.autograd.Function):
 
         dweight = torch.empty_like(w)
 
+        product = torch.empty_like(dpre)
+
         for j in range(w.size(1)):
+            window = history[:, j : j + num_rows]
+
             dhistory[:, j : j + num_rows].addcmul_(dpre, w[:, j])
 
-            dweight[:, j] = (dpre * history[:, j : j + num_rows]).sum((0, 1))
+            dweight[:, j] = torch.mul(dpre, window, out=product).sum((0, 1))
 
         if dht is not None:
             layout.add_to_final_states(dhistory, dht)
