@@ -25,7 +25,7 @@ def resolve_gdn_backend(requested: GdnBackendRequest, device: torch.device) -> G
 
     ``auto`` means ``fla`` on CUDA when fla-core imports, and ``torch``
     otherwise; falling back to ``torch`` on CUDA logs a warning (once per
-    process).
+    process and reason). Never called at import time: it imports fla.
 
     :raises NotSupportedError: ``fla`` is requested but the device is not CUDA
         or fla-core cannot be imported.
@@ -100,4 +100,8 @@ def has_causal_conv1d() -> bool:
 
 @cache
 def _warn_fla_fallback(reason: str) -> None:
-    log.warning("The Gated DeltaNet layers fall back to their PyTorch kernels on CUDA (much slower than fla's) because {}. Install qwen35-fs2[fast] to use fla.", reason)  # fmt: skip
+    log.warning(
+        "The Gated DeltaNet layers fall back to their PyTorch kernels on CUDA "
+        "(much slower than fla's) because {}. Install qwen35-fs2[fast] to use fla.",
+        reason,
+    )
