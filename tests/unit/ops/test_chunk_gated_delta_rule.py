@@ -58,11 +58,16 @@ def run_with_grads(
 
 
 class TestChunkGatedDeltaRule:
+    @pytest.mark.parametrize("max_decay", [1.0, 16.0], ids=["mild-decay", "strong-decay"])
     @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-    def test_outputs_states_and_gradients_match_recurrent_reference(self, shape: tuple[int, ...]) -> None:
+    def test_outputs_states_and_gradients_match_recurrent_reference(
+        self, shape: tuple[int, ...], max_decay: float
+    ) -> None:
         batch_size, seq_len, num_heads, num_v_heads, key_dim, value_dim, chunk_size = shape
 
-        inputs = make_delta_rule_inputs(batch_size, seq_len, num_heads, num_v_heads, key_dim, value_dim)
+        inputs = make_delta_rule_inputs(
+            batch_size, seq_len, num_heads, num_v_heads, key_dim, value_dim, max_decay=max_decay
+        )
 
         gen = torch.Generator().manual_seed(1)
 

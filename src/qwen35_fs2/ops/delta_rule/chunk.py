@@ -455,16 +455,20 @@ class _ChunkTerms:
     def compute(x: _ChunkedInputs) -> _ChunkTerms:
         chunk_size = x.q.size(-2)
 
-        # Summed in fp32 (or fp64): the decays are differences of these sums.
-        gamma = x.g.cumsum(-1)
+        dtype = x.g.dtype
 
-        exp_gamma = _exp_(gamma.clone())
+        # Summed in fp64: the decays are differences of these sums, which
+        # reach -10^3 or more under strong decay, where fp32 differences would
+        # lose 4 digits.
+        gamma = x.g.to(torch.float64).cumsum(-1)
 
-        exp_to_end = _exp_(gamma[..., -1:] - gamma)
+        exp_gamma = _exp_(gamma.to(dtype, copy=True))
+
+        exp_to_end = _exp_((gamma[..., -1:] - gamma).to(dtype))
 
         causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=gamma.device).tril()
 
-        decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill_(~causal, -math.inf)
+        decay = (gamma[..., :, None] - gamma[..., None, :]).to(dtype).masked_fill_(~causal, -math.inf)
 
         return _ChunkTerms(
             exp_gamma,
@@ -643,15 +647,22 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # `dL/d(gamma_i - gamma_j)` through `D`: `dA * A + dP * P`.
         de = dad_kk.mul_(x.beta[..., None]).neg_().addcmul_(dpd, terms.qk)
 
-        dkd_kd = torch.linalg.vecdot(dkd, terms.kd)
-
-        dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k) - dkd_kd
+        # `gamma_i` is the sum of `g_t` for `t <= i`: what flows through
+        # `exp(gamma_i)` reaches every `g_t` with `t <= i`.
+        dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k)
         dgamma += de.sum(-1) - de.sum(-2)
 
-        dgamma[..., -1] += dkd_kd.sum(-1) + chunk_decay[..., 0, 0] * (s * ds_end).sum((-2, -1))
+        dgamma[..., -1] += chunk_decay[..., 0, 0] * (s * ds_end).sum((-2, -1))
 
-        # `gamma` is a cumulative sum.
         dg = dgamma.flip(-1).cumsum(-1).flip(-1)
+
+        # `exp(gamma_C - gamma_i)` is the sum of `g_t` for `t > i`: what
+        # flows through it reaches every `g_t` with `t > i`. Summed apart:
+        # through `exp(gamma_C)` and `exp(-gamma_i)` separately, large terms
+        # would cancel in fp32.
+        dkd_kd = torch.linalg.vecdot(dkd, terms.kd)
+
+        dg[..., 1:] += dkd_kd[..., :-1].cumsum(-1)
 
         dqc = _addmm(_sum_groups(dqg.mul_(exp_gamma[..., None])), dqk, x.k)
 
