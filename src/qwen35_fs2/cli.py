@@ -21,6 +21,8 @@ same arguments, and so under ``torchrun``.
 
 from __future__ import annotations
 
+import logging
+import re
 import sys
 from argparse import REMAINDER, ArgumentParser, Namespace
 from collections.abc import Callable, Sequence
@@ -32,12 +34,16 @@ from unittest import mock
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
+from typing_extensions import override
 
 from fairseq2.recipe.base import Recipe
+from fairseq2.recipe.error import RecipeConfigParseError
 
 LM_GROUP: Final = "lm"
 
 EXPORT_HF_COMMAND: Final = "export_hf"
+
+_FIELD_ERROR_RE: Final = re.compile(r"^`(\w+)` field cannot be structured\.$")
 
 
 @final
@@ -249,11 +255,76 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
 
     from fairseq2.recipe.cli import main as fairseq2_main
 
-    # `fairseq2.recipe.cli.main` parses `sys.argv` and exits on errors.
-    with mock.patch.object(sys, "argv", fairseq2_argv):
-        fairseq2_main(recipe)
+    # fairseq2 logs a configuration error as a long traceback; a summary
+    # naming the key follows it.
+    error_catcher = _ConfigErrorCatcher()
+
+    fairseq2_logger = logging.getLogger("fairseq2")
+
+    fairseq2_logger.addHandler(error_catcher)
+
+    try:
+        # `fairseq2.recipe.cli.main` parses `sys.argv` and exits on errors.
+        with mock.patch.object(sys, "argv", fairseq2_argv):
+            fairseq2_main(recipe)
+    except SystemExit:
+        if error_catcher.summary is not None:
+            print(f"fairseq2: error: {error_catcher.summary}", file=sys.stderr)
+
+        raise
+    finally:
+        fairseq2_logger.removeHandler(error_catcher)
 
     return 0
+
+
+@final
+class _ConfigErrorCatcher(logging.Handler):
+    """Summarizes the configuration error that fairseq2 logs, if any."""
+
+    summary: str | None = None
+
+    @override
+    def emit(self, record: logging.LogRecord) -> None:
+        exc_info = record.exc_info
+
+        # fairseq2 logs with `exc_info=True` from inside the `except` block.
+        if exc_info is True:
+            exc_info = sys.exc_info()
+
+        if not isinstance(exc_info, tuple):
+            return
+
+        ex = exc_info[1]
+
+        if isinstance(ex, RecipeConfigParseError):
+            self.summary = _summarize_config_error(ex)
+
+
+def _summarize_config_error(ex: BaseException) -> str:
+    """Returns the key path and the innermost reason of a configuration
+    error, e.g. "`dataset`: ... contains extra key(s) trian."."""
+    keys = []
+
+    reasons = [str(ex)]
+
+    cause = ex.__cause__
+
+    while cause is not None:
+        match = _FIELD_ERROR_RE.match(str(cause))
+
+        if match is not None:
+            keys.append(match[1])
+        else:
+            reasons.append(str(cause))
+
+        cause = cause.__cause__
+
+    if not keys:
+        # The outermost and the innermost reasons, once each.
+        return " ".join(dict.fromkeys([reasons[0], reasons[-1]]))
+
+    return f"the configuration is invalid at `{'.'.join(keys)}`: {' '.join(reasons[-2:])}"
 
 
 def _find_output_dir(

@@ -17,7 +17,7 @@ from fairseq2.error import InternalError
 from fairseq2.datasets import SequenceBatch
 from fairseq2.recipe.evaluator import EvalUnit
 from fairseq2.logging import log
-from fairseq2.metrics import Mean, MetricBag
+from fairseq2.metrics import Max, Mean, MetricBag, Min, Sum
 from fairseq2.metrics.common import (
     add_nll_loss_metric,
     add_seq_batch_metrics,
@@ -35,12 +35,13 @@ from fairseq2.recipe.trainer import TrainUnit
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
-from qwen35_fs2.models.moe import Qwen35MoeBlock, collect_moe_statistics
+from qwen35_fs2.models.moe import MoeStatistics, Qwen35MoeBlock, collect_moe_statistics
 
-AuxLossFn: TypeAlias = Callable[[], Tensor]
+AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
-Returns the unweighted auxiliary loss of the last forward pass of the model
-(the load-balancing loss of its MoE layers).
+Returns the routing statistics of the last forward pass of the model: the
+unweighted auxiliary loss (the load-balancing loss of its MoE layers) and the
+loads of its experts.
 """
 
 
@@ -98,13 +99,13 @@ def create_aux_loss_fn(model: Module) -> AuxLossFn | None:
     if not has_moe_layers(model):
         return None
 
-    def collect_aux_loss() -> Tensor:
+    def collect_aux_loss() -> MoeStatistics:
         statistics = collect_moe_statistics(model)
 
         if statistics is None:
             raise InternalError("`statistics` is `None`.")
 
-        return statistics.load_balancing_loss
+        return statistics
 
     return collect_aux_loss
 
@@ -139,6 +140,9 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
         container.collection.register_instance(MetricDescriptor, descriptor)
 
     register("aux_loss", "Auxiliary Loss", 105, format_as_float)
+    register("moe_max_tokens_per_expert", "Most Tokens of an Expert", 106, format_as_int)
+    register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)
+    register("moe_dropped_tokens", "Dropped Expert Assignments", 108, format_as_int)
     register("num_correct", "Number of Correct Answers", 210, format_as_int)
 
     # In language-model recipes, elements are tokens. The later registration
@@ -254,6 +258,11 @@ class LMLossComputer:
         if self._aux_loss_fn is not None:
             metric_bag.add("aux_loss", Mean())
 
+            # Over the layers and experts of one batch on one rank.
+            metric_bag.add("moe_max_tokens_per_expert", Max())
+            metric_bag.add("moe_min_tokens_per_expert", Min())
+            metric_bag.add("moe_dropped_tokens", Sum())
+
     def __call__(self, batch: SequenceBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
         model = cast(CausalLM, self._model)
 
@@ -281,9 +290,15 @@ class LMLossComputer:
         # mean, while `loss` is summed over targets and normalized by their
         # number after the backward pass: scale it alike.
         if self._aux_loss_fn is not None:
-            aux_loss = self._aux_loss_fn()
+            moe_statistics = self._aux_loss_fn()
+
+            aux_loss = moe_statistics.load_balancing_loss
 
             metric_bag.get("aux_loss", Mean).update(aux_loss.detach())
+
+            metric_bag.get("moe_max_tokens_per_expert", Max).update(moe_statistics.max_tokens_per_expert)
+            metric_bag.get("moe_min_tokens_per_expert", Min).update(moe_statistics.min_tokens_per_expert)
+            metric_bag.get("moe_dropped_tokens", Sum).update(moe_statistics.num_dropped_assignments)
 
             loss = loss + (self._aux_loss_weight * num_targets) * aux_loss
 

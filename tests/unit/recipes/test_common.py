@@ -2,15 +2,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import Tensor
 
 from fairseq2.datasets import SequenceBatch
-from fairseq2.metrics import Mean, MetricBag
+from fairseq2.metrics import Max, Mean, MetricBag, Min, Sum
 from fairseq2.nn import BatchLayout
 from fairseq2.recipe.error import RecipeError
 
 from qwen35_fs2.models import create_qwen35_model
 from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
+from qwen35_fs2.models.moe import MoeStatistics
 from qwen35_fs2.models.tokenizer import Qwen35Tokenizer, Qwen35TokenizerConfig, get_qwen35_tokenizer_dir, load_qwen35_tokenizer
 from qwen35_fs2.recipes.common import (
     LMLossComputer,
@@ -89,11 +89,11 @@ class TestLMLossComputer:
 
         nll = -torch.log_softmax(logits, dim=-1).gather(-1, seqs[:, 1:, None]).squeeze(-1)
 
-        expected = (nll * batch.target_mask[:, 1:]).sum()  # type: ignore[index]
+        expected = (nll * batch.target_mask[:, 1:]).sum().detach()  # type: ignore[index]
 
         torch.testing.assert_close(loss, expected)
 
-        assert metric_bag.get("nll_loss", Mean).compute() == pytest.approx(float(expected) / 5, rel=1e-5)
+        assert metric_bag.get("nll_loss", Mean).compute() == pytest.approx(expected.item() / 5, rel=1e-5)
 
     def test_adds_the_weighted_auxiliary_loss_per_target(self) -> None:
         model = _model()
@@ -102,8 +102,11 @@ class TestLMLossComputer:
 
         aux_loss = torch.tensor(0.75, requires_grad=True)
 
-        def aux_loss_fn() -> Tensor:
-            return aux_loss
+        # Two layers of three experts; 4 tokens, each routed to 2 experts.
+        tokens_per_expert = torch.tensor([[3.0, 4.0, 1.0], [2.0, 2.0, 4.0]])
+
+        def aux_loss_fn() -> MoeStatistics:
+            return MoeStatistics(aux_loss, tokens_per_expert, torch.tensor(4.0), top_k=2)
 
         metric_bag = MetricBag(CPU)
 
@@ -125,6 +128,10 @@ class TestLMLossComputer:
         torch.testing.assert_close(loss, nll + 0.01 * 0.75 * num_targets)
 
         assert metric_bag.get("aux_loss", Mean).compute() == pytest.approx(0.75)
+
+        assert metric_bag.get("moe_max_tokens_per_expert", Max).compute() == 4
+        assert metric_bag.get("moe_min_tokens_per_expert", Min).compute() == 1
+        assert metric_bag.get("moe_dropped_tokens", Sum).compute() == 0
 
         loss.backward()
 

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
+
+CONFIG = "qwen35_tiny_pretrain_cpu.yaml"
+
+# 6 steps of 128-token packed batches, a constant learning rate (so that the
+# schedule does not depend on `num_steps`).
+OVERRIDES = (
+    # The pretraining config has its own overrides (no pad index); keep them.
+    TINY_MODEL_OVERRIDES.replace("{", "{pad_idx: null, "),
+    "dataset.max_seq_len=64",
+    "dataset.max_num_tokens=128",
+    "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
+    "regime.num_steps=6",
+    "regime.checkpoint_every_n_steps=3",
+    "regime.keep_last_n_checkpoints=null",
+)
+
+
+@pytest.mark.slow
+class TestPretrainCPU:
+    @pytest.mark.parametrize("nproc", [1, 2], ids=["1_process", "2_processes"])
+    def test_loss_decreases_and_a_resumed_run_matches_an_uninterrupted_one(self, tmp_path: Path, nproc: int) -> None:
+        full_dir = tmp_path / "full"
+
+        run_recipe("train", full_dir, CONFIG, OVERRIDES, nproc=nproc)
+
+        full = read_metrics(full_dir)
+
+        losses = [full[step]["NLL Loss"] for step in range(1, 7)]
+
+        assert losses[-1] < losses[0] - 0.5, losses
+
+        # Every rank reads a packed batch of 129 tokens per step; the first
+        # token of each document segment is no target.
+        assert full[1]["Number of Elements"] == 128 * nproc
+
+        # Stop after step 3, then run again in the same directory: the data
+        # readers of all ranks continue where they stopped.
+        resumed_dir = tmp_path / "resumed"
+
+        run_recipe("train", resumed_dir, CONFIG, [*OVERRIDES, "regime.num_steps=3"], nproc=nproc)
+
+        process = run_recipe("train", resumed_dir, CONFIG, OVERRIDES, nproc=nproc)
+
+        assert "Resuming from step 3." in process.stdout
+
+        resumed = read_metrics(resumed_dir)
+
+        for step in range(4, 7):
+            assert resumed[step]["NLL Loss"] == pytest.approx(full[step]["NLL Loss"], abs=1e-6), step

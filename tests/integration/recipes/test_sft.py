@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
+
+from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
+
+CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
+
+# 6 steps of one or two packed examples, a constant learning rate (so that the
+# schedule does not depend on `num_steps`), no validation.
+OVERRIDES = (
+    TINY_MODEL_OVERRIDES,
+    "dataset.max_seq_len=256",
+    "dataset.max_num_tokens=256",
+    "dataset.valid=[]",
+    "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
+    "regime.num_steps=6",
+    "regime.checkpoint_every_n_steps=3",
+    "regime.keep_last_n_checkpoints=null",
+    "regime.validate_every_n_steps=null",
+)
+
+
+@pytest.mark.slow
+class TestInstructionFinetuneCPU:
+    def test_loss_decreases_and_a_resumed_run_matches_an_uninterrupted_one(self, tmp_path: Path) -> None:
+        full_dir = tmp_path / "full"
+
+        run_recipe("instruction_finetune", full_dir, CONFIG, OVERRIDES)
+
+        full = read_metrics(full_dir)
+
+        losses = [full[step]["NLL Loss"] for step in range(1, 7)]
+
+        assert losses[-1] < losses[0] - 0.5, losses
+
+        # Stop after step 3, then run again in the same directory.
+        resumed_dir = tmp_path / "resumed"
+
+        run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, "regime.num_steps=3"])
+
+        assert sorted(read_metrics(resumed_dir)) == [1, 2, 3]
+
+        process = run_recipe("instruction_finetune", resumed_dir, CONFIG, OVERRIDES)
+
+        assert "Resuming from step 3." in process.stdout
+
+        resumed = read_metrics(resumed_dir)
+
+        for step in range(4, 7):
+            assert resumed[step]["NLL Loss"] == pytest.approx(full[step]["NLL Loss"], abs=1e-6), step
+
+    def test_two_processes_train_with_fsdp2_and_validate_on_jsonl(self, tmp_path: Path) -> None:
+        # fairseq2's src/tgt layout, as in facebook/fairseq2-lm-gsm8k.
+        valid_file = tmp_path / "valid.jsonl"
+
+        with valid_file.open("w", encoding="utf-8") as fp:
+            for example in generate_synthetic_gsm8k(6, seed=9):
+                fp.write(json.dumps({"src": example.question, "tgt": example.answer}) + "\n")
+
+        output_dir = tmp_path / "out"
+
+        overrides = [
+            *OVERRIDES,
+            f"dataset.valid=[{{path: {valid_file}}}]",
+            "regime.validate_every_n_steps=6",
+        ]
+
+        run_recipe("instruction_finetune", output_dir, CONFIG, overrides, nproc=2)
+
+        train = read_metrics(output_dir)
+
+        assert train[6]["NLL Loss"] < train[1]["NLL Loss"] - 0.5
+
+        # Both ranks' examples count: two packed batches per step.
+        assert train[1]["Number of Examples"] >= 2
+
+        valid = read_metrics(output_dir, "valid")
+
+        assert valid[6]["Number of Examples"] == 6
+
+        assert output_dir.joinpath("checkpoints", "step_6", "model").is_dir()

@@ -1,0 +1,155 @@
+from __future__ import annotations
+
+import sys
+import types
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from fairseq2.recipe.base import Recipe
+
+from qwen35_fs2 import cli
+from qwen35_fs2.recipes.eval_gsm8k import EvalGsm8kRecipe
+from qwen35_fs2.recipes.generate import GenerateRecipe
+from qwen35_fs2.recipes.sft import InstructionFinetuneRecipe
+from qwen35_fs2.recipes.train import PretrainRecipe
+
+
+class _Fairseq2Main:
+    """Stands in for `fairseq2.recipe.cli.main`, recording its arguments."""
+
+    def __init__(self) -> None:
+        self.argv: list[str] | None = None
+        self.recipe: Recipe | None = None
+
+    def __call__(self, recipe: Recipe) -> None:
+        self.argv = list(sys.argv)
+        self.recipe = recipe
+
+
+@pytest.fixture
+def fairseq2_main(monkeypatch: pytest.MonkeyPatch) -> _Fairseq2Main:
+    main = _Fairseq2Main()
+
+    monkeypatch.setattr("fairseq2.recipe.cli.main", main)
+
+    return main
+
+
+def _write_config(tmp_path: Path, text: str) -> Path:
+    file = tmp_path / "config.yaml"
+
+    file.write_text(text, encoding="utf-8")
+
+    return file
+
+
+class TestMain:
+    @pytest.mark.parametrize(
+        ("command", "kls"),
+        [
+            ("instruction_finetune", InstructionFinetuneRecipe),
+            ("train", PretrainRecipe),
+            ("generate", GenerateRecipe),
+            ("eval_gsm8k", EvalGsm8kRecipe),
+        ],
+    )
+    def test_runs_the_recipe_of_each_command(self, fairseq2_main: _Fairseq2Main, command: str, kls: type[Recipe]) -> None:
+        assert cli.main(["lm", command, "out"]) == 0
+
+        assert isinstance(fairseq2_main.recipe, kls)
+
+        assert fairseq2_main.argv == [f"fairseq2 lm {command}", "out"]
+
+    def test_config_names_the_config_file(self, fairseq2_main: _Fairseq2Main, tmp_path: Path) -> None:
+        config = _write_config(tmp_path, "regime: {num_steps: 3}\n")
+
+        cli.main(["lm", "instruction_finetune", "--config", str(config)])
+
+        assert fairseq2_main.argv == ["fairseq2 lm instruction_finetune", "runs/instruction_finetune", "--config-file", str(config)]
+
+    def test_config_file_set_and_flags_are_passed_on(self, fairseq2_main: _Fairseq2Main, tmp_path: Path) -> None:
+        config = _write_config(tmp_path, "regime: {num_steps: 3}\n")
+
+        cli.main(["lm", "train", "out", "--config-file", str(config), "--set", "a.b=1", "c=[1, 2]", "--no-rich", "--checkpoint-dir", "ckpt"])
+
+        assert fairseq2_main.argv == [
+            "fairseq2 lm train", "out", "--config-file", str(config), "--checkpoint-dir", "ckpt", "--no-rich", "--config", "a.b=1", "c=[1, 2]",
+        ]  # fmt: skip
+
+    def test_config_with_key_value_is_an_override_as_in_fairseq2(self, fairseq2_main: _Fairseq2Main) -> None:
+        cli.main(["lm", "train", "out", "--config", "common.cluster=none"])
+
+        assert fairseq2_main.argv == ["fairseq2 lm train", "out", "--config", "common.cluster=none"]
+
+    def test_output_dir_after_set_is_the_output_dir(self, fairseq2_main: _Fairseq2Main) -> None:
+        cli.main(["lm", "train", "--set", "a=1", "b=2", "out"])
+
+        assert fairseq2_main.argv == ["fairseq2 lm train", "out", "--config", "a=1", "b=2"]
+
+    def test_output_dir_comes_from_the_config_file_then_from_set(self, fairseq2_main: _Fairseq2Main, tmp_path: Path) -> None:
+        config = _write_config(tmp_path, "output_dir: runs/from_file\n")
+
+        cli.main(["lm", "train", "--config", str(config)])
+
+        assert fairseq2_main.argv is not None and fairseq2_main.argv[1] == "runs/from_file"
+
+        cli.main(["lm", "train", "--config", str(config), "--set", "output_dir=runs/from_set"])
+
+        assert fairseq2_main.argv[1] == "runs/from_set"
+
+        cli.main(["lm", "train", "positional", "--config", str(config), "--set", "output_dir=runs/from_set"])
+
+        assert fairseq2_main.argv[1] == "positional"
+
+    def test_dump_config_needs_no_output_dir(self, fairseq2_main: _Fairseq2Main) -> None:
+        cli.main(["lm", "generate", "--dump-config"])
+
+        assert fairseq2_main.argv == ["fairseq2 lm generate", "--dump-config"]
+
+    def test_rejects_two_config_files(self, fairseq2_main: _Fairseq2Main, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        config = _write_config(tmp_path, "regime: {num_steps: 3}\n")
+
+        with pytest.raises(SystemExit) as exc_info:
+            cli.main(["lm", "train", "out", "--config", str(config), "--config-file", str(config)])
+
+        assert exc_info.value.code == 2
+
+        assert "one configuration file can be given, but 2 are" in capsys.readouterr().err
+
+        assert fairseq2_main.argv is None
+
+    def test_rejects_an_unknown_command(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exc_info:
+            cli.main(["lm", "pretrain"])
+
+        assert exc_info.value.code == 2
+
+        assert "invalid choice: 'pretrain'" in capsys.readouterr().err
+
+    def test_export_hf_hands_its_arguments_to_the_export_command(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        received: list[Sequence[str]] = []
+
+        def export_main(argv: Sequence[str]) -> int:
+            received.append(argv)
+
+            return 5
+
+        module = types.ModuleType("qwen35_fs2.export_cli")
+
+        module.main = export_main  # type: ignore[attr-defined]
+
+        monkeypatch.setitem(sys.modules, "qwen35_fs2.export_cli", module)
+
+        assert cli.main(["lm", "export_hf", "ckpt", "out", "--force"]) == 5
+
+        assert received == [["ckpt", "out", "--force"]]
+
+    def test_export_hf_reports_a_missing_export_command(self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        # A `None` entry makes the import fail as if the module were missing.
+        monkeypatch.setitem(sys.modules, "qwen35_fs2.export_cli", None)
+
+        assert cli.main(["lm", "export_hf", "ckpt"]) == 2
+
+        assert "`fairseq2 lm export_hf` is not available" in capsys.readouterr().err

@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from qwen35_fs2 import cli
+
+RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+
+# The recipe of each shipped config.
+CONFIGS = {
+    "qwen35_0.8b_gsm8k.yaml": "instruction_finetune",
+    "qwen35_0.8b_gsm8k_eval.yaml": "eval_gsm8k",
+    "qwen35_0.8b_fineweb_edu.yaml": "train",
+    "qwen35_tiny_gsm8k_cpu.yaml": "instruction_finetune",
+    "qwen35_tiny_pretrain_cpu.yaml": "train",
+}
+
+
+def _fairseq2(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """Runs the `fairseq2` command in this process; returns its exit code and
+    output."""
+    try:
+        returncode = cli.main(list(args))
+    except SystemExit as ex:
+        returncode = ex.code  # type: ignore[assignment]
+
+    captured = capfd.readouterr()
+
+    return returncode, captured.out + captured.err
+
+
+class TestShippedConfigs:
+    def test_every_config_in_recipes_is_listed(self) -> None:
+        assert sorted(p.name for p in RECIPES_DIR.glob("*.yaml")) == sorted(CONFIGS)
+
+    @pytest.mark.parametrize("config", sorted(CONFIGS))
+    def test_config_validates(self, capfd: pytest.CaptureFixture[str], config: str) -> None:
+        returncode, output = _fairseq2(capfd, "lm", CONFIGS[config], "--config", str(RECIPES_DIR / config), "--dump-config")
+
+        assert returncode == 0, output
+
+        # The merged configuration, ready to be saved and reused.
+        assert re.search(r"^output_dir: runs/", output, re.MULTILINE), output
+
+
+class TestBadConfigs:
+    """A bad configuration stops the run before any model is built, with a
+    last line that names the problem."""
+
+    @pytest.mark.parametrize(
+        ("override", "message"),
+        [
+            ("dataset.trian=[]", r"the configuration is invalid at `dataset`: .* contains extra key\(s\) trian\."),
+            ("regime.num_steps=many", r"the configuration is invalid at `regime.num_steps`: .*invalid literal for int\(\)"),
+            ("dataset.train=[{path: /no/such/gsm8k.jsonl}]", r"`dataset.train\[0\]` is not valid: `path` must be an existing file or directory, or a URI, but /no/such/gsm8k.jsonl does not exist\."),
+            ("dataset.max_num_tokens=100", r"`max_num_tokens` must be greater than or equal to `max_seq_len` \(512\), but is 100 instead\."),
+            ("loss.chunk_size=0", r"`chunk_size` must be greater than or equal to 1, but is 0 instead\."),
+        ],
+        ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss"],
+    )
+    def test_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
+        output_dir = tmp_path / "out"
+
+        config = RECIPES_DIR / "qwen35_tiny_gsm8k_cpu.yaml"
+
+        returncode, output = _fairseq2(capfd, "lm", "instruction_finetune", str(output_dir), "--config", str(config), "--no-rich", "--set", override)
+
+        assert returncode == 2, output
+
+        last_line = output.strip().splitlines()[-1]
+
+        assert re.search(message, last_line), last_line
+
+        # Neither model nor data was touched.
+        assert not output_dir.exists()
+
+    def test_a_missing_pretraining_shard_directory_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        config = RECIPES_DIR / "qwen35_tiny_pretrain_cpu.yaml"
+
+        returncode, output = _fairseq2(capfd, "lm", "train", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", "dataset.train.paths=[/no/such/shards]")
+
+        assert returncode == 2, output
+
+        assert "`paths` must hold existing files or directories, or URIs, but /no/such/shards does not exist." in output
