@@ -14,6 +14,7 @@ qwen35_log() { echo "[qwen35-slurm] $*"; }
 # and exit code 2, before any training process exists.
 qwen35_fail() {
     echo "[qwen35-slurm] error: $*" >&2
+    [ -z "${QWEN35_PROBE:-}" ] || rm -f -- "$QWEN35_PROBE"
     exit 2
 }
 
@@ -121,7 +122,19 @@ qwen35_launch() {
     out=$(realpath "$out")
     local probe=$out/.qwen35-write-probe.$SLURM_JOB_ID
     err=$( : 2>&1 >"$probe") || qwen35_fail "output directory $out is not writable: ${err##*: }"
+    QWEN35_PROBE=$probe # removed once every node has seen it
     QWEN35_OUTPUT_DIR=$out
+
+    # Two jobs training into one directory would overwrite each other's
+    # checkpoints (e.g. a command submitted again while the first still runs).
+    # A requeued job keeps its id, so it passes.
+    local owner_file=$out/.qwen35-slurm-job owner=""
+    [ -f "$owner_file" ] && owner=$(cat "$owner_file")
+    if [[ $owner =~ ^[0-9]+$ ]] && [ "$owner" != "$SLURM_JOB_ID" ] \
+        && [ -n "$(squeue -h -j "$owner" -t RUNNING,COMPLETING -o %i 2>/dev/null)" ]; then
+        qwen35_fail "output directory $out is in use by running job $owner: wait for it, cancel it, or set QWEN35_OUTPUT_DIR"
+    fi
+    echo "$SLURM_JOB_ID" >"$owner_file"
 
     # --- shape of the allocation: one task per GPU
     local nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
@@ -172,6 +185,7 @@ qwen35_launch() {
         [ -z "$bad" ] || qwen35_fail "all nodes must share the output directory, config and venv: $(echo "$bad" | paste -sd ';')"
     fi
     rm -f -- "$probe"
+    QWEN35_PROBE=""
 
     local last
     last=$(_qwen35_last_checkpoint "$out")

@@ -90,6 +90,36 @@ def test_output_dir_that_is_not_writable(slurm_cluster: Cluster) -> None:
         shutil.rmtree(base)
 
 
+def test_output_dir_in_use_by_a_running_job(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """The same command submitted twice must not train twice into one
+    directory: the second job stops while the first runs."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = slurm_cluster.run(
+        "sbatch", "--parsable", "--nodes=1", "--ntasks=1", "--cpus-per-task=1",
+        f"--output={tmp_path}/holder.out", "--wrap", "sleep 60",
+    ).strip()
+    try:
+        deadline = time.monotonic() + FAIL_FAST_S
+        while slurm_cluster.run("squeue", "-h", "-j", holder, "-o", "%T").strip() != "RUNNING":
+            assert time.monotonic() < deadline, "the holder job did not start"
+            time.sleep(0.2)
+        (out / ".qwen35-slurm-job").write_text(f"{holder}\n")
+        _expect_start_failure(
+            slurm_cluster,
+            tmp_path,
+            f"output directory {out} is in use by running job {holder}: wait for it, "
+            "cancel it, or set QWEN35_OUTPUT_DIR",
+            CPU_JOB,
+            {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(out)},
+        )
+        # The failed job neither took the directory over nor left its probe.
+        assert (out / ".qwen35-slurm-job").read_text().strip() == holder
+        assert sorted(p.name for p in out.iterdir()) == [".qwen35-slurm-job"]
+    finally:
+        slurm_cluster.run("scancel", holder, check=False)
+
+
 def test_venv_without_the_command(slurm_cluster: Cluster, tmp_path: Path) -> None:
     _expect_start_failure(
         slurm_cluster,
