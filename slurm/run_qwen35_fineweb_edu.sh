@@ -4,8 +4,8 @@
 # limit, the ranks checkpoint and stop, and the job requeues itself; every run
 # resumes from the last checkpoint in its output directory.
 #
-#   sbatch slurm/run_qwen35_fineweb_edu.sh                       # defaults below
-#   sbatch --nodes=4 slurm/run_qwen35_fineweb_edu.sh regime.num_steps=20000
+#   sbatch slurm/run_qwen35_fineweb_edu.sh     # recipes/qwen35_0.8b_fineweb_edu.yaml, 4 nodes
+#   sbatch --nodes=8 slurm/run_qwen35_fineweb_edu.sh regime.num_steps=10000
 #   QWEN35_CONFIG=my.yaml QWEN35_OUTPUT_DIR=/shared/runs/cpt1 sbatch slurm/run_qwen35_fineweb_edu.sh
 #
 # Environment: QWEN35_CONFIG, QWEN35_OUTPUT_DIR, QWEN35_OVERRIDES, QWEN35_VENV,
@@ -13,7 +13,7 @@
 # are config overrides (KEY=VALUE). Sizing and memory arithmetic: docs/slurm.md.
 #
 #SBATCH --job-name=qwen35-fineweb-edu
-#SBATCH --nodes=2
+#SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=8
@@ -44,4 +44,5 @@ fi
 source "$QWEN35_REPO/slurm/lib/launch.sh"
 
 QWEN35_RECIPE="lm train"
+QWEN35_DEFAULT_CONFIG=recipes/qwen35_0.8b_fineweb_edu.yaml
 qwen35_launch "$@"

@@ -4,7 +4,7 @@
 # limit, the ranks checkpoint and stop, and the job requeues itself; every run
 # resumes from the last checkpoint in its output directory.
 #
-#   sbatch slurm/run_qwen35_gsm8k.sh                            # defaults below
+#   sbatch slurm/run_qwen35_gsm8k.sh           # recipes/qwen35_0.8b_gsm8k.yaml, 1 node
 #   sbatch --nodes=2 slurm/run_qwen35_gsm8k.sh optimizer.config.lr=1e-5
 #   QWEN35_CONFIG=my.yaml QWEN35_OUTPUT_DIR=/shared/runs/sft1 sbatch slurm/run_qwen35_gsm8k.sh
 #
@@ -44,4 +44,5 @@ fi
 source "$QWEN35_REPO/slurm/lib/launch.sh"
 
 QWEN35_RECIPE="lm instruction_finetune"
+QWEN35_DEFAULT_CONFIG=recipes/qwen35_0.8b_gsm8k.yaml
 qwen35_launch "$@"

@@ -3,8 +3,8 @@
 # environment, start one task per GPU with srun, and turn the USR1 that SLURM
 # sends before the time limit into a checkpoint, a clean exit and a requeue.
 #
-# The caller sets QWEN35_RECIPE (e.g. "lm train") and QWEN35_REPO, then runs
-# `qwen35_launch "$@"`.
+# The caller sets QWEN35_RECIPE (e.g. "lm train"), QWEN35_DEFAULT_CONFIG (a
+# path in the checkout) and QWEN35_REPO, then runs `qwen35_launch "$@"`.
 # Every setting the user may change is an environment variable; see
 # docs/slurm.md.
 
@@ -84,8 +84,9 @@ qwen35_launch() {
     local cli=$venv/bin/fairseq2 python=$venv/bin/python
     [ -x "$cli" ] || qwen35_fail "no fairseq2 command at $cli: set QWEN35_VENV to the venv where qwen35-fs2 is installed (pip install -e .)"
 
-    # --- configuration file; without one the recipe's defaults are GPU-sized
-    local config=${QWEN35_CONFIG:-}
+    # --- configuration file: the script's GPU config unless QWEN35_CONFIG is
+    # set; set but empty means none, the recipe's built-in defaults.
+    local config=${QWEN35_CONFIG-$QWEN35_REPO/$QWEN35_DEFAULT_CONFIG}
     local -a config_args=()
     if [ -n "$config" ]; then
         [ -e "$config" ] || qwen35_fail "config file not found: $config (set QWEN35_CONFIG)"

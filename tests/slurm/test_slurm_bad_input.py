@@ -120,6 +120,21 @@ def test_output_dir_in_use_by_a_running_job(slurm_cluster: Cluster, tmp_path: Pa
         slurm_cluster.run("scancel", holder, check=False)
 
 
+def test_default_config_and_its_output_dir(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """Without QWEN35_CONFIG the script's GPU config is used, and the output
+    directory is that config's `output_dir`, under the submit directory. (A
+    file named `runs` there makes it fail before any training starts.)"""
+    (tmp_path / "runs").write_text("")
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"cannot create output directory {tmp_path}/runs/qwen35_0.8b_fineweb_edu: Not a directory",
+        CPU_JOB,
+        {},
+        script=RUN_CPT,
+    )
+
+
 def test_venv_without_the_command(slurm_cluster: Cluster, tmp_path: Path) -> None:
     _expect_start_failure(
         slurm_cluster,

@@ -78,6 +78,13 @@ def test_sbatch_defaults_for_gpu_nodes(script: Path) -> None:
 
 
 @pytest.mark.parametrize("script", RUN_SCRIPTS, ids=_ids(RUN_SCRIPTS))
+def test_default_config_exists(script: Path) -> None:
+    m = re.search(r"^QWEN35_DEFAULT_CONFIG=(\S+)$", script.read_text(), re.M)
+    assert m, "QWEN35_DEFAULT_CONFIG missing"
+    assert (REPO / m.group(1)).is_file(), m.group(1)
+
+
+@pytest.mark.parametrize("script", RUN_SCRIPTS, ids=_ids(RUN_SCRIPTS))
 def test_direct_run_outside_slurm_fails_clearly(script: Path, tmp_path: Path) -> None:
     """Running the script with bash instead of sbatch stops at once."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
