@@ -47,9 +47,11 @@ class TopKRouter(Module):
 
     ``softmax(x Wᵀ)`` over all experts, the ``top_k`` largest probabilities,
     renormalised to sum to 1 (``normalize_top_k``; Qwen3.5 always does,
-    Qwen3-Next configs choose). The logits and the softmax are computed in
-    fp32 with autocast disabled, so mixed precision never perturbs which
-    experts a token goes to.
+    Qwen3-Next configs choose). The logits, not only the softmax, are
+    computed in fp32 with autocast disabled, so that under mixed precision
+    near-tied experts are ranked and the load-balancing loss is differentiated
+    at full precision. (Under FSDP2 mixed precision the weight arrives in the
+    parameter dtype and is upcast.)
     """
 
     def __init__(

@@ -16,9 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from fairseq2.data.tokenizers import VocabularyInfo
+from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 from fairseq2.nn import BatchLayout
 
-from hf_reference import HfReferenceBatch, TinyQwen35Spec, ensure_hf_reference
+from hf_reference import HfReferenceBatch, TinyQwen35Spec, ensure_hf_reference, hf_greedy_generate
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2 import Qwen35MoeConfig, load_hf_model, qwen35_config_from_hf
 from qwen35_fs2.models import Qwen35MoeBlock, collect_moe_statistics
@@ -370,3 +372,50 @@ class TestBadMoeCheckpoints:
         model = load_hf_model(checkpoint)
 
         assert all(isinstance(layer.ffn, Qwen35MoeBlock) for layer in model.decoder.layers)  # type: ignore[union-attr]
+
+
+def test_greedy_generation_matches_transformers(reference: dict[str, tuple[Path, Tensor]]) -> None:
+    """fairseq2's generator, prefilling in chunks and decoding step by step,
+    against transformers' `generate` with its own cache."""
+    model_dir, _ = reference["fused-vlm-mtp-top2of8"]
+
+    generator = torch.Generator().manual_seed(5)
+
+    prompts = [torch.randint(1, 256, (n,), generator=generator) for n in (7, 12)]
+
+    max_new_tokens = 24
+
+    expected = hf_greedy_generate(model_dir, [p.tolist() for p in prompts], max_new_tokens)
+
+    model = load_hf_model(model_dir, dtype=torch.float32).eval()
+
+    # Token 0 stands in for EOS; at the length limit the generator ends with
+    # it in place of the last token.
+    vocab_info = VocabularyInfo(size=256, unk_idx=None, bos_idx=None, eos_idx=0, pad_idx=None)
+
+    sampler = SamplingSequenceGenerator(
+        model, vocab_info, TopKSampler(k=1), max_gen_len=max_new_tokens, prefill_chunk_size=3
+    )
+
+    seqs = torch.zeros((2, 12), dtype=torch.int64)
+
+    for idx, prompt in enumerate(prompts):
+        seqs[idx, : prompt.numel()] = prompt
+
+    output = sampler(seqs, BatchLayout(seqs.shape, [p.numel() for p in prompts]))
+
+    num_compared = 0
+
+    for hypotheses, tokens in zip(output.hypotheses, expected):
+        generated = hypotheses[0].seq.tolist()
+
+        assert generated[-1] == 0
+
+        # Up to the length limit, or up to a 0 that transformers generated too.
+        assert generated[:-1] == tokens[: len(generated) - 1]
+
+        assert len(generated) == max_new_tokens or tokens[len(generated) - 1] == 0
+
+        num_compared += len(generated)
+
+    assert num_compared >= max_new_tokens

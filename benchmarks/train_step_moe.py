@@ -1,0 +1,369 @@
+"""Measures a training step (forward + backward) of a qwen35-fs2 MoE model
+against transformers' ``Qwen3_5MoeForCausalLM``, in the same run, and the
+config's matmul floor.
+
+The MoE counterpart of ``train_step.py``, whose timing and memory helpers it
+uses. Each variant runs in a fresh subprocess (so peak memory is per variant):
+
+- ``ours``: our model built by fairseq2 (``Qwen35MoeConfig``), its step
+  including the load-balancing loss the recipes add;
+- ``reference``: transformers' ``Qwen3_5MoeForCausalLM`` from the isolated
+  overlay (``QWEN35_HF_REFERENCE_DIR``), ``output_router_logits=True`` so its
+  loss includes the same aux term, fla and causal-conv1d hidden so it runs
+  its PyTorch fallbacks on CPU;
+- ``floor``: only the step's GEMMs (forward and backward) on random tensors:
+  every dense projection, the LM head, and the routed experts as if
+  perfectly balanced (one GEMM of ``tokens × top_k`` rows per projection).
+
+Each variant runs ``--rounds`` times, interleaved with the others, and the
+fastest step of all its rounds counts: on a shared machine the load changes
+between variants, and the best step is the least disturbed one.
+
+Prints one JSON line. Example::
+
+    .venv/bin/python benchmarks/train_step_moe.py --threads 2 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# The measurement code is shared with the dense benchmark.
+from train_step import _max_rss_mib, _time_steps
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+AUX_LOSS_COEF = 0.001
+
+
+@dataclass(kw_only=True)
+class MoeBenchConfig:
+    """The MoE reference configuration of issue #5; the rest as the dense
+    benchmark's."""
+
+    model_dim: int = 512
+    num_layers: int = 8
+    full_attention_interval: int = 4
+    num_attn_heads: int = 8
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    num_linear_key_heads: int = 4
+    num_linear_value_heads: int = 8
+    linear_head_dim: int = 64
+    num_experts: int = 32
+    top_k: int = 4
+    expert_inner_dim: int = 256
+    shared_expert_inner_dim: int = 256
+    vocab_size: int = 4096
+    batch_size: int = 2
+    seq_len: int = 1024
+
+
+def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+    import torch
+
+    from fairseq2.nn import BatchLayout
+
+    from qwen35_fs2.models import Qwen35ExpertsConfig, Qwen35MoeConfig, collect_moe_statistics
+    from qwen35_fs2.models import create_qwen35_moe_model
+
+    config = Qwen35MoeConfig(
+        model_dim=cfg.model_dim,
+        max_seq_len=cfg.seq_len + 1,
+        vocab_size=cfg.vocab_size,
+        pad_idx=None,
+        tied_embeddings=False,
+        num_layers=cfg.num_layers,
+        full_attention_interval=cfg.full_attention_interval,
+        num_attn_heads=cfg.num_attn_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        num_linear_key_heads=cfg.num_linear_key_heads,
+        num_linear_value_heads=cfg.num_linear_value_heads,
+        linear_key_head_dim=cfg.linear_head_dim,
+        linear_value_head_dim=cfg.linear_head_dim,
+        experts=Qwen35ExpertsConfig(
+            num_experts=cfg.num_experts,
+            top_k=cfg.top_k,
+            inner_dim=cfg.expert_inner_dim,
+            shared_expert_inner_dim=cfg.shared_expert_inner_dim,
+        ),
+    )
+
+    torch.manual_seed(0)
+
+    model = create_qwen35_moe_model(config).train()
+
+    seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
+
+    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+
+    layout = BatchLayout.of(inputs)
+
+    baseline_rss = _max_rss_mib()
+
+    def step() -> None:
+        loss = model(inputs, layout, targets, reduction="mean")
+
+        moe_statistics = collect_moe_statistics(model)
+
+        assert moe_statistics is not None
+
+        loss = loss + AUX_LOSS_COEF * moe_statistics.load_balancing_loss
+
+        loss.backward()
+
+        model.zero_grad(set_to_none=True)
+
+    times = _time_steps(step, num_warmup, num_steps)
+
+    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+
+
+def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+    # transformers calls fla / causal_conv1d whenever importable; they fail on
+    # CPU.
+    for name in ("fla", "causal_conv1d"):
+        sys.modules[name] = None  # type: ignore[assignment]
+
+    import torch
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+    config = Qwen3_5MoeTextConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.model_dim,
+        num_hidden_layers=cfg.num_layers,
+        full_attention_interval=cfg.full_attention_interval,
+        num_attention_heads=cfg.num_attn_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        linear_num_key_heads=cfg.num_linear_key_heads,
+        linear_num_value_heads=cfg.num_linear_value_heads,
+        linear_key_head_dim=cfg.linear_head_dim,
+        linear_value_head_dim=cfg.linear_head_dim,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        moe_intermediate_size=cfg.expert_inner_dim,
+        shared_expert_intermediate_size=cfg.shared_expert_inner_dim,
+        router_aux_loss_coef=AUX_LOSS_COEF,
+        max_position_embeddings=cfg.seq_len + 1,
+        tie_word_embeddings=False,
+    )
+
+    torch.manual_seed(0)
+
+    model = Qwen3_5MoeForCausalLM(config).train()
+
+    input_ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len))
+
+    baseline_rss = _max_rss_mib()
+
+    def step() -> None:
+        output = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=True)
+
+        output.loss.backward()
+
+        model.zero_grad(set_to_none=True)
+
+    times = _time_steps(step, num_warmup, num_steps)
+
+    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+
+
+def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
+    """Returns ``(num_rows, input_dim, output_dim)`` of every GEMM of the
+    forward pass, with ``num_tokens`` rows but for the routed experts."""
+    num_tokens = cfg.batch_size * cfg.seq_len
+
+    key_dim = cfg.num_linear_key_heads * cfg.linear_head_dim
+    value_dim = cfg.num_linear_value_heads * cfg.linear_head_dim
+
+    attn_dim = cfg.num_attn_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+
+    d = cfg.model_dim
+
+    gdn = [
+        (d, 2 * key_dim + value_dim),
+        (d, value_dim),
+        (d, cfg.num_linear_value_heads),
+        (d, cfg.num_linear_value_heads),
+        (value_dim, d),
+    ]
+
+    attn = [(d, 2 * attn_dim), (d, kv_dim), (d, kv_dim), (attn_dim, d)]
+
+    dense_moe = [
+        (d, cfg.num_experts),  # router
+        (d, 2 * cfg.shared_expert_inner_dim),  # shared expert gate and up
+        (cfg.shared_expert_inner_dim, d),
+        (d, 1),  # shared expert gate
+    ]
+
+    routed = [
+        (num_tokens * cfg.top_k, d, 2 * cfg.expert_inner_dim),
+        (num_tokens * cfg.top_k, cfg.expert_inner_dim, d),
+    ]
+
+    shapes = []
+
+    for idx in range(cfg.num_layers):
+        full = (idx + 1) % cfg.full_attention_interval == 0
+
+        shapes.extend((num_tokens, i, o) for i, o in (attn if full else gdn) + dense_moe)
+
+        shapes.extend(routed)
+
+    shapes.append((num_tokens, d, cfg.vocab_size))
+
+    return shapes
+
+
+def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+    import torch
+
+    torch.manual_seed(0)
+
+    operands = []
+
+    for num_rows, input_dim, output_dim in gemm_shapes(cfg):
+        x = torch.randn(num_rows, input_dim)
+        w = torch.randn(output_dim, input_dim)
+        dy = torch.randn(num_rows, output_dim)
+
+        operands.append((x, w, dy))
+
+    flops = sum(6 * x.size(0) * w.size(0) * w.size(1) for x, w, _ in operands)
+
+    def step() -> None:
+        for x, w, dy in operands:
+            x @ w.t()  # forward
+            dy @ w  # input gradient
+            dy.t() @ x  # weight gradient
+
+    times = _time_steps(step, num_warmup, num_steps)
+
+    return {"times": times, "flops": flops}
+
+
+_WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
+
+
+def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
+    env = dict(os.environ)
+
+    threads = str(args.threads)
+
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+
+    if worker == "reference":
+        overlay = os.environ.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
+
+        if not Path(overlay, "transformers").is_dir():
+            raise SystemExit(
+                f"error: the transformers reference overlay is missing at {overlay}; run `make setup`."
+            )
+
+        env["PYTHONPATH"] = overlay
+
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        worker,
+        "--threads",
+        threads,
+        "--num-warmup",
+        str(args.num_warmup),
+        "--num-steps",
+        str(args.num_steps),
+        "--seq-len",
+        str(args.seq_len),
+    ]
+
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+
+    if result.returncode != 0:
+        raise SystemExit(f"error: the {worker} worker failed:\n{result.stderr}")
+
+    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-warmup", type=int, default=1)
+    parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
+
+    args = parser.parse_args()
+
+    cfg = MoeBenchConfig(seq_len=args.seq_len)
+
+    if args.worker is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+        result = _WORKERS[args.worker](cfg, args.num_warmup, args.num_steps)
+
+        print(json.dumps(result))
+
+        return
+
+    num_tokens = cfg.batch_size * cfg.seq_len
+
+    report: dict[str, object] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds}
+
+    results: dict[str, list[dict[str, object]]] = {"floor": [], "ours": [], "reference": []}
+
+    for _ in range(args.rounds):
+        for worker, worker_results in results.items():
+            worker_results.append(_spawn(worker, args))
+
+    for worker, worker_results in results.items():
+        times: list[float] = [t for r in worker_results for t in r["times"]]  # type: ignore[attr-defined]
+
+        step_s = min(times)
+
+        # The memory of the round with the fastest step.
+        result = next(r for r in worker_results if step_s in r["times"])  # type: ignore[operator]
+
+        entry: dict[str, object] = {
+            "step_s": round(step_s, 4),
+            "median_step_s": round(statistics.median(times), 4),
+            "tokens_per_s": round(num_tokens / step_s, 1),
+        }
+
+        if "peak_rss_mib" in result:
+            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)  # type: ignore[arg-type]
+            entry["step_peak_above_init_mib"] = round(
+                result["peak_rss_mib"] - result["baseline_rss_mib"], 1  # type: ignore[operator]
+            )
+
+        if "flops" in result:
+            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)  # type: ignore[operator]
+
+        report[worker] = entry
+
+    ours, reference, floor = report["ours"], report["reference"], report["floor"]
+
+    report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)  # type: ignore[index]
+    report["ours_fraction_of_floor"] = round(ours["tokens_per_s"] / floor["tokens_per_s"], 3)  # type: ignore[index]
+    report["reference_fraction_of_floor"] = round(reference["tokens_per_s"] / floor["tokens_per_s"], 3)  # type: ignore[index]
+
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

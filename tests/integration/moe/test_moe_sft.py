@@ -1,0 +1,68 @@
+"""``lm instruction_finetune`` of a tiny Qwen3.5-MoE model on CPU: two
+``torchrun`` processes (gloo, FSDP2) train like one process accumulating the
+same two examples per step, with the load-balancing loss and the expert-load
+metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from integration.recipes.recipe_runner import read_metrics, run_recipe
+
+CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
+
+# A 2-layer (Gated DeltaNet + attention) MoE over the real vocabulary, 8
+# experts top-2; one example per padded batch, so that a step of two ranks
+# and a step of two accumulated batches see the same examples.
+OVERRIDES = (
+    "model.family=qwen35_moe",
+    "model.arch=qwen35_moe_tiny",
+    "model.config_overrides={vocab_size: 248320, pad_idx: 248044, num_layers: 2, full_attention_interval: 2}",
+    "dataset.max_seq_len=256",
+    "dataset.max_num_tokens=256",
+    "dataset.packing=false",
+    "dataset.batch_size=1",
+    "dataset.valid=[]",
+    "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
+    "loss.aux_loss_weight=0.01",
+    "regime.num_steps=6",
+    "regime.checkpoint_every_n_steps=6",
+    "regime.validate_every_n_steps=null",
+)
+
+_NUM_STEPS = 6
+
+
+@pytest.mark.slow
+def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path) -> None:
+    single_dir = tmp_path / "single"
+
+    run_recipe("instruction_finetune", single_dir, CONFIG, [*OVERRIDES, "trainer.grad_accumulation.num_batches=2"])
+
+    fsdp_dir = tmp_path / "fsdp"
+
+    run_recipe("instruction_finetune", fsdp_dir, CONFIG, OVERRIDES, nproc=2)
+
+    single, fsdp = read_metrics(single_dir), read_metrics(fsdp_dir)
+
+    losses = [fsdp[step]["NLL Loss"] for step in range(1, _NUM_STEPS + 1)]
+
+    assert losses[-1] < losses[0] - 0.5, f"The loss must fall, but went {losses}."
+
+    for step in range(1, _NUM_STEPS + 1):
+        assert fsdp[step]["Number of Examples"] == single[step]["Number of Examples"] == 2
+
+        assert fsdp[step]["NLL Loss"] == pytest.approx(single[step]["NLL Loss"], rel=1e-4), step
+
+        assert fsdp[step]["Auxiliary Loss"] == pytest.approx(single[step]["Auxiliary Loss"], rel=1e-4), step
+
+        # Top-2: 2 when perfectly balanced, 16 when one expert takes all.
+        assert 1.0 < fsdp[step]["Auxiliary Loss"] < 16.0
+
+        assert fsdp[step]["Dropped Expert Assignments"] == 0
+
+        assert fsdp[step]["Most Tokens of an Expert"] >= fsdp[step]["Fewest Tokens of an Expert"]
+
+    assert fsdp_dir.joinpath("checkpoints", f"step_{_NUM_STEPS}", "model").is_dir()
