@@ -37,6 +37,7 @@ from torch import Tensor
 from qwen35_fs2.ops.delta_rule.common import (
     check_delta_rule_inputs,
     compute_dtype,
+    l2_inverse_norm,
     sequence_lengths,
 )
 
@@ -404,9 +405,8 @@ class _ChunkedInputs:
         if not use_qk_l2norm:
             return _ChunkedInputs(qc.mul_(scale), kc, vc, gc, bc, None, None)
 
-        # As fla: `x / sqrt(sum(x^2) + 1e-6)`. Padding stays 0.
-        q_rstd = torch.rsqrt(qc.square().sum(-1, keepdim=True) + 1e-6)
-        k_rstd = torch.rsqrt(kc.square().sum(-1, keepdim=True) + 1e-6)
+        # Padding stays 0.
+        q_rstd, k_rstd = l2_inverse_norm(qc), l2_inverse_norm(kc)
 
         return _ChunkedInputs(qc.mul_(q_rstd * scale), kc.mul_(k_rstd), vc, gc, bc, q_rstd, k_rstd)
 
@@ -482,6 +482,9 @@ class _ChunkTerms:
 
 
 class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Keeps the chunk-start states, ``(I + A)^-1`` and ``Vn`` for the
+    backward, which recomputes the rest from the inputs."""
+
     @staticmethod
     def forward(
         ctx: Any,

@@ -6,13 +6,18 @@ import torch
 from torch import Tensor
 
 
-def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """Divides by ``sqrt(sum(x^2) + eps)`` over the last dimension.
+def l2_normalize(x: Tensor) -> Tensor:
+    """Divides by ``sqrt(sum(x^2) + 1e-6)`` over the last dimension.
 
     Not ``x / max(norm, eps)`` like ``F.normalize``: this is what fla's kernel
     and the transformers reference compute.
     """
-    return x * torch.rsqrt(x.pow(2).sum(dim=-1, keepdim=True) + eps)
+    return x * l2_inverse_norm(x)
+
+
+def l2_inverse_norm(x: Tensor) -> Tensor:
+    """Returns ``1 / sqrt(sum(x^2) + 1e-6)`` over the last dimension (kept)."""
+    return torch.rsqrt(x.square().sum(dim=-1, keepdim=True) + 1e-6)
 
 
 def expand_qk_heads(x: Tensor, num_v_heads: int) -> Tensor:
