@@ -55,6 +55,16 @@ def test_missing_config_file(slurm_cluster: Cluster, tmp_path: Path) -> None:
     )
 
 
+def test_config_that_is_a_directory(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"config file is not a readable file: {tmp_path}",
+        CPU_JOB,
+        {"QWEN35_CONFIG": str(tmp_path), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")},
+    )
+
+
 def test_output_dir_that_cannot_be_created(slurm_cluster: Cluster, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
