@@ -2,7 +2,10 @@
 anywhere and, on CUDA, fla / causal-conv1d fast paths.
 
 The model resolves a backend once, at construction, with
-:func:`resolve_gdn_backend`, then passes it to every call.
+:func:`resolve_gdn_backend`, then passes it to :func:`causal_conv1d`,
+:func:`gated_delta_rule` and :func:`gated_rms_norm`. Packed batches pass
+``cu_seqlens`` to the first two: neither the convolution nor the recurrent
+state crosses a document boundary.
 """
 
 from __future__ import annotations
