@@ -4,9 +4,17 @@ With Qwen3.5's 248,320-entry vocabulary, fairseq2's
 :meth:`TransformerLM.compute_fused_loss` holds the logits and their fp32
 log-probabilities for every token of the batch at once: 16k tokens take about
 16 GB for the log-probabilities alone. Here the final projection and the cross
-entropy run over chunks of tokens; each chunk is checkpointed, so its logits
-are freed after the forward pass and recomputed, one chunk at a time, in the
-backward pass. Peak memory is one chunk's logits instead of the batch's.
+entropy run over chunks of tokens, so that peak memory is one chunk's logits
+instead of the batch's:
+
+- when training with a summed or mean loss through a plain (tied or
+  unsharded) projection, the forward pass computes each chunk's gradients
+  with respect to the decoder output and the projection right away, from the
+  chunk's softmax, and frees the chunk (as Liger-Kernel's fused linear cross
+  entropy does); the backward pass only scales them. This also skips the
+  second projection that recomputing the logits would take;
+- otherwise each chunk is checkpointed: its logits are freed after the
+  forward pass and recomputed, one chunk at a time, in the backward pass.
 
 The semantics are those of :func:`fairseq2.nn.functional.cross_entropy`
 (``pad_idx``, ``target_mask``, ``reduction``, ``label_smoothing``), which each
@@ -20,14 +28,15 @@ from __future__ import annotations
 
 from functools import partial
 from types import MethodType
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.nn import Projection
+from fairseq2.nn import ColumnShardedLinear, Linear, Projection, TiedProjection
 from fairseq2.nn.functional import cross_entropy
 
 DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
@@ -89,6 +98,23 @@ def chunked_cross_entropy(
     flat_targets = targets.flatten()
 
     flat_mask = None if target_mask is None else target_mask.flatten()
+
+    if reduction != "none" and torch.is_grad_enabled():
+        proj_params = _get_plain_projection_params(final_proj)
+
+        if proj_params is not None:
+            weight, bias = proj_params
+
+            return _FusedLinearCrossEntropy.apply(
+                flat_output,
+                weight,
+                bias,
+                flat_targets,
+                _get_target_weights(flat_targets, pad_idx, flat_mask),
+                reduction == "mean",
+                label_smoothing,
+                chunk_size,
+            )
 
     chunk_reduction: Literal["sum", "none"] = "none" if reduction == "none" else "sum"
 
@@ -162,6 +188,161 @@ def _compute_chunk_loss(
         target_mask=chunk_mask,
         reduction=reduction,
     )
+
+
+def _get_plain_projection_params(proj: Projection) -> tuple[Tensor, Tensor | None] | None:
+    """Returns the weight and bias of ``proj`` if it computes ``x W^T + b``
+    on its own (not tensor-parallel)."""
+    if isinstance(proj, ColumnShardedLinear) and proj.sharded:
+        return None
+
+    if isinstance(proj, TiedProjection | Linear | ColumnShardedLinear):
+        return proj.weight, proj.bias
+
+    return None
+
+
+def _get_target_weights(
+    targets: Tensor, pad_idx: int | None, target_mask: Tensor | None
+) -> Tensor:
+    """Returns 1 for the targets that count in the loss and 0 for the others
+    (pad targets and those outside ``target_mask``), as fp32."""
+    if target_mask is None:
+        weights = torch.ones_like(targets, dtype=torch.float32)
+    else:
+        weights = target_mask.to(torch.float32)
+
+    if pad_idx is not None:
+        weights = weights * targets.ne(pad_idx)
+
+    return weights
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Computes ``sum_i w_i CE(x_i W^T + b, t_i)`` (or its mean over the counted
+    targets) and, in the same pass over the chunks of tokens, its gradients
+    with respect to ``x``, ``W`` and ``b``.
+
+    With label smoothing ``e`` and ``V`` classes, the loss of a token is
+    ``(1 - e - e') nll + e' smooth`` with ``e' = e / (V - 1)``, ``nll = lse -
+    z_t`` and ``smooth = V lse - sum_j z_j``, as in
+    :func:`fairseq2.nn.functional.cross_entropy`; its gradient with respect to
+    the logits is ``(1 - e - e' + e' V) p - (1 - e - e') onehot(t) - e'``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inputs: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        target_weights: Tensor,
+        mean: bool,
+        label_smoothing: float,
+        chunk_size: int,
+    ) -> Tensor:
+        num_classes = weight.size(0)
+
+        smoothing = label_smoothing / (num_classes - 1) if label_smoothing > 0.0 else 0.0
+
+        nll_coeff = 1.0 - label_smoothing - smoothing
+
+        # The coefficient of the softmax in the gradient of the logits.
+        softmax_coeff = nll_coeff + smoothing * num_classes
+
+        scale = 1.0
+
+        if mean:
+            num_targets = target_weights.sum().item()
+
+            # As in `cross_entropy`, the mean of no target is NaN.
+            scale = 1.0 / num_targets if num_targets > 0 else float("nan")
+
+        need_input_grad = inputs.requires_grad
+        need_weight_grad = weight.requires_grad
+        need_bias_grad = bias is not None and bias.requires_grad
+
+        input_grad = torch.empty_like(inputs) if need_input_grad else None
+
+        weight_grad = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
+
+        bias_grad = torch.zeros_like(bias, dtype=torch.float32) if need_bias_grad else None  # type: ignore[arg-type]
+
+        loss = inputs.new_zeros((), dtype=torch.float32)
+
+        for begin in range(0, targets.size(0), chunk_size):
+            end = begin + chunk_size
+
+            chunk_inputs = inputs[begin:end]
+            chunk_targets = targets[begin:end]
+
+            # The counted targets, scaled for `mean`. *Shape:* (C, 1)
+            chunk_weights = target_weights[begin:end].unsqueeze(-1) * scale
+
+            logits = F.linear(chunk_inputs, weight, bias)
+
+            compute_dtype = logits.dtype
+
+            # For numerical stability, the softmax runs in fp32, in place.
+            logits = logits.float()
+
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+
+            target_logits = logits.gather(-1, chunk_targets.unsqueeze(-1))
+
+            token_loss = nll_coeff * (lse - target_logits)
+
+            if smoothing > 0.0:
+                token_loss = token_loss + smoothing * (num_classes * lse - logits.sum(-1, keepdim=True))
+
+            loss += (token_loss * chunk_weights).sum()
+
+            if input_grad is None and weight_grad is None and bias_grad is None:
+                continue
+
+            # The gradient of the chunk's loss with respect to its logits.
+            grad = logits.sub_(lse).exp_().mul_(softmax_coeff)
+
+            grad.scatter_add_(
+                -1, chunk_targets.unsqueeze(-1), grad.new_full(target_logits.shape, -nll_coeff)
+            )
+
+            if smoothing > 0.0:
+                grad.sub_(smoothing)
+
+            grad.mul_(chunk_weights)
+
+            if bias_grad is not None:
+                bias_grad += grad.sum(0)
+
+            # The gradients run in the dtype of the forward projection.
+            grad = grad.to(compute_dtype)
+
+            if input_grad is not None:
+                input_grad[begin:end] = grad @ weight.to(compute_dtype)
+
+            if weight_grad is not None:
+                weight_grad += grad.t() @ chunk_inputs.to(compute_dtype)
+
+            del grad, logits
+
+        ctx.save_for_backward(
+            input_grad,
+            None if weight_grad is None else weight_grad.to(weight.dtype),
+            None if bias_grad is None else bias_grad.to(bias.dtype),  # type: ignore[union-attr]
+        )
+
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        input_grad, weight_grad, bias_grad = ctx.saved_tensors
+
+        def scale(grad: Tensor | None) -> Tensor | None:
+            return None if grad is None else grad * grad_output.to(grad.dtype)
+
+        return scale(input_grad), scale(weight_grad), scale(bias_grad), None, None, None, None, None
 
 
 def _count_loss_targets(

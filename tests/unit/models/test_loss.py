@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from fairseq2.nn import BatchLayout, Linear
+from fairseq2.nn import BatchLayout, Linear, Projection
 from fairseq2.nn.functional import cross_entropy
 
 from qwen35_fs2.models import create_qwen35_model
@@ -41,13 +41,24 @@ def _make_inputs(
     return decoder_output.requires_grad_(), proj, targets, target_mask
 
 
+class _WrappedProjection(Projection):
+    def __init__(self, proj: Linear) -> None:
+        super().__init__(proj.input_dim, proj.output_dim)
+
+        self.proj = proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x)
+
+
 class TestChunkedCrossEntropy:
     @pytest.mark.parametrize("shape", [(3, 11), (29,)], ids=["padded", "packed"])
     @pytest.mark.parametrize("reduction", ["sum", "mean", "none"])
     @pytest.mark.parametrize("pad_idx", [None, 3])
     @pytest.mark.parametrize("use_mask", [False, True], ids=["no_mask", "mask"])
     @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-    @pytest.mark.parametrize("chunk_size", [1, 4, 1000], ids=["chunk1", "chunk4", "one_chunk"])
+    @pytest.mark.parametrize("chunk_size", [3, 1000], ids=["chunk3", "one_chunk"])
+    @pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
     def test_matches_fairseq2_cross_entropy_and_its_gradients(
         self,
         shape: tuple[int, ...],
@@ -56,8 +67,13 @@ class TestChunkedCrossEntropy:
         use_mask: bool,
         label_smoothing: float,
         chunk_size: int,
+        wrap: bool,
     ) -> None:
         decoder_output, proj, targets, target_mask = _make_inputs(shape)
+
+        # A plain projection takes the fused path for summed and mean losses
+        # with gradients; any other, the checkpointed path.
+        final_proj = _WrappedProjection(proj) if wrap else proj
 
         mask = target_mask if use_mask else None
 
@@ -72,7 +88,7 @@ class TestChunkedCrossEntropy:
 
         actual = chunked_cross_entropy(
             decoder_output,
-            proj,
+            final_proj,
             targets,
             pad_idx,
             label_smoothing=label_smoothing,
@@ -94,8 +110,12 @@ class TestChunkedCrossEntropy:
         for name, a, e in zip(["decoder_output", "weight", "bias"], actual_grads, expected_grads):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
-    def test_keeps_no_logits_for_the_backward_pass(self) -> None:
+    @pytest.mark.parametrize("path", ["fused", "checkpointed"])
+    def test_keeps_no_logits_for_the_backward_pass(self, path: str) -> None:
         decoder_output, proj, targets, target_mask = _make_inputs((64,))
+
+        # Projections other than plain ones take the checkpointed path.
+        final_proj = proj if path == "fused" else _WrappedProjection(proj)
 
         saved_shapes: list[tuple[int, ...]] = []
 
@@ -106,16 +126,33 @@ class TestChunkedCrossEntropy:
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = chunked_cross_entropy(
-                decoder_output, proj, targets, None, target_mask=target_mask, chunk_size=8
+                decoder_output, final_proj, targets, None, target_mask=target_mask, chunk_size=8
             )
 
-        logit_shapes = [s for s in saved_shapes if s and s[-1] == VOCAB_SIZE]
+        logit_shapes = [s for s in saved_shapes if len(s) == 2 and s[-1] == VOCAB_SIZE]
 
         assert logit_shapes == [], f"Saved logits of shapes {logit_shapes} for the backward pass."
 
         loss.backward()
 
         assert decoder_output.grad is not None
+
+        expected = cross_entropy(proj(decoder_output), targets, None, target_mask=target_mask)
+
+        expected_grad, = torch.autograd.grad(expected, decoder_output)
+
+        torch.testing.assert_close(decoder_output.grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+    def test_mean_of_no_target_is_nan_as_in_fairseq2(self) -> None:
+        decoder_output, proj, targets, _ = _make_inputs((6,))
+
+        no_target = torch.zeros_like(targets, dtype=torch.bool)
+
+        loss = chunked_cross_entropy(decoder_output, proj, targets, None, target_mask=no_target, reduction="mean")
+
+        assert torch.isnan(loss)
+
+        assert torch.isnan(cross_entropy(proj(decoder_output), targets, None, target_mask=no_target, reduction="mean"))
 
     def test_raises_error_when_chunk_size_is_not_positive(self) -> None:
         decoder_output, proj, targets, _ = _make_inputs((4,))
