@@ -613,19 +613,29 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         ds_end, dvn = torch.cat(end_grads[::-1]), torch.cat(write_grads[::-1])
 
-        del ds_out, dvn_out, end_grads, write_grads
+        # Dropped as soon as used: the backward's peak is its largest cost
+        # in memory.
+        del ds_out, dvn_out, end_grads, write_grads, w, dht_rows
 
         # `O = diag(exp(gamma)) Q S + P Vn`; `dP` is masked by `D` below.
         dqg = doc @ s.mT
         dp = doc @ vn.mT
 
+        del doc
+
         # `S' = exp(gamma_C) S + Kd^T Vn`
         dkd = vn @ ds_end.mT
+
+        dchunk_decay = (s * ds_end).sum((-2, -1))
+
+        del ds_end
 
         # `[U | W] = inv [diag(beta) V | diag(beta exp(gamma)) K]` and
         # `Vn = U - W S`: `dU = dVn`, `dW = -dVn S^T`, and so
         # `dA = -inv^T (dU U^T + dW W^T) = -inv^T dVn Vn^T`.
         dvb = inv.mT @ dvn
+
+        del dvn
 
         # Both negated: `-d(diag(beta exp(gamma)) K)` and `-dA`.
         dkb_neg = dvb @ s.mT
@@ -640,6 +650,8 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         dbeta = torch.linalg.vecdot(dvb, x.v) - exp_gamma * dkb_k - dad_kk.sum(-1)
 
+        dv = dvb.mul_(x.beta[..., None])
+
         # `-d(K K^T)` and `d(Q K^T)`, per query/key head.
         dkk_neg = _sum_groups(da_neg.mul_(x.beta[..., None]))
 
@@ -650,12 +662,16 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # `dL/d(gamma_i - gamma_j)` through `D`: `dA * A + dP * P`.
         de = dad_kk.mul_(x.beta[..., None]).neg_().addcmul_(dpd, terms.qk)
 
+        del da_neg, dp, dpd
+
         # `gamma_i` is the sum of `g_t` for `t <= i`: what flows through
         # `exp(gamma_i)` reaches every `g_t` with `t <= i`.
         dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k)
         dgamma += de.sum(-1) - de.sum(-2)
 
-        dgamma[..., -1] += chunk_decay[..., 0, 0] * (s * ds_end).sum((-2, -1))
+        dgamma[..., -1] += chunk_decay[..., 0, 0] * dchunk_decay
+
+        del de, dad_kk
 
         dg = dgamma.flip(-1).cumsum(-1).flip(-1)
 
@@ -687,7 +703,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         grads = (
             (dqc, q),
             (dkc, k),
-            (dvb.mul_(x.beta[..., None]), v),
+            (dv, v),
             (dg, g),
             (dbeta, beta),
         )
