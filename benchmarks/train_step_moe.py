@@ -34,6 +34,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
 from train_step import _max_rss_mib, _time_steps
@@ -41,6 +42,10 @@ from train_step import _max_rss_mib, _time_steps
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 AUX_LOSS_COEF = 0.001
+
+WorkerResult: TypeAlias = dict[str, Any]
+"""What a worker prints as JSON: its step ``times`` and, by worker, its
+memory (``baseline_rss_mib``, ``peak_rss_mib``) or ``flops``."""
 
 
 @dataclass(kw_only=True)
@@ -66,7 +71,7 @@ class MoeBenchConfig:
     seq_len: int = 1024
 
 
-def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
     import torch
 
     from fairseq2.nn import BatchLayout
@@ -118,7 +123,7 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str,
 
         loss = loss + AUX_LOSS_COEF * moe_statistics.load_balancing_loss
 
-        loss.backward()
+        torch.autograd.backward(loss)
 
         model.zero_grad(set_to_none=True)
 
@@ -127,14 +132,15 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str,
     return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
 
 
-def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
     # transformers calls fla / causal_conv1d whenever importable; they fail on
     # CPU.
     for name in ("fla", "causal_conv1d"):
         sys.modules[name] = None  # type: ignore[assignment]
 
     import torch
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    # From the transformers 5.x overlay on this worker's `PYTHONPATH`.
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # type: ignore[attr-defined]
 
     config = Qwen3_5MoeTextConfig(
         vocab_size=cfg.vocab_size,
@@ -168,7 +174,7 @@ def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict
     def step() -> None:
         output = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=True)
 
-        output.loss.backward()
+        torch.autograd.backward(output.loss)
 
         model.zero_grad(set_to_none=True)
 
@@ -212,7 +218,7 @@ def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
         (num_tokens * cfg.top_k, cfg.expert_inner_dim, d),
     ]
 
-    shapes = []
+    shapes: list[tuple[int, int, int]] = []
 
     for idx in range(cfg.num_layers):
         full = (idx + 1) % cfg.full_attention_interval == 0
@@ -226,7 +232,7 @@ def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
     import torch
 
     torch.manual_seed(0)
@@ -256,7 +262,7 @@ def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> dict[str
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 
-def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
+def _spawn(worker: str, args: argparse.Namespace) -> WorkerResult:
     env = dict(os.environ)
 
     threads = str(args.threads)
@@ -323,44 +329,42 @@ def main() -> None:
 
     num_tokens = cfg.batch_size * cfg.seq_len
 
-    report: dict[str, object] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds}
+    report: dict[str, Any] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds}
 
-    results: dict[str, list[dict[str, object]]] = {"floor": [], "ours": [], "reference": []}
+    results: dict[str, list[WorkerResult]] = {"floor": [], "ours": [], "reference": []}
 
     for _ in range(args.rounds):
         for worker, worker_results in results.items():
             worker_results.append(_spawn(worker, args))
 
     for worker, worker_results in results.items():
-        times: list[float] = [t for r in worker_results for t in r["times"]]  # type: ignore[attr-defined]
+        times = [t for r in worker_results for t in r["times"]]
 
         step_s = min(times)
 
         # The memory of the round with the fastest step.
-        result = next(r for r in worker_results if step_s in r["times"])  # type: ignore[operator]
+        result = next(r for r in worker_results if step_s in r["times"])
 
-        entry: dict[str, object] = {
+        entry = {
             "step_s": round(step_s, 4),
             "median_step_s": round(statistics.median(times), 4),
             "tokens_per_s": round(num_tokens / step_s, 1),
         }
 
         if "peak_rss_mib" in result:
-            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)  # type: ignore[arg-type]
-            entry["step_peak_above_init_mib"] = round(
-                result["peak_rss_mib"] - result["baseline_rss_mib"], 1  # type: ignore[operator]
-            )
+            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)
+            entry["step_peak_above_init_mib"] = round(result["peak_rss_mib"] - result["baseline_rss_mib"], 1)
 
         if "flops" in result:
-            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)  # type: ignore[operator]
+            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)
 
         report[worker] = entry
 
     ours, reference, floor = report["ours"], report["reference"], report["floor"]
 
-    report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)  # type: ignore[index]
-    report["ours_fraction_of_floor"] = round(ours["tokens_per_s"] / floor["tokens_per_s"], 3)  # type: ignore[index]
-    report["reference_fraction_of_floor"] = round(reference["tokens_per_s"] / floor["tokens_per_s"], 3)  # type: ignore[index]
+    report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
+    report["ours_fraction_of_floor"] = round(ours["tokens_per_s"] / floor["tokens_per_s"], 3)
+    report["reference_fraction_of_floor"] = round(reference["tokens_per_s"] / floor["tokens_per_s"], 3)
 
     print(json.dumps(report))
 

@@ -199,6 +199,8 @@ class RoutedExperts(Module):
         # Host integers: both fallbacks need the group bounds.
         group_sizes = tokens_per_expert.tolist()
 
+        function: type[_BatchedSwiGLUExperts | _LoopedSwiGLUExperts]
+
         if self.resolve_fallback(group_sizes) == "batched":
             function = _BatchedSwiGLUExperts
         else:
@@ -207,7 +209,7 @@ class RoutedExperts(Module):
         dtype = _compute_dtype(seqs)
 
         with torch.autocast(seqs.device.type, enabled=False):
-            output: Tensor = function.apply(
+            output: Tensor = function.apply(  # type: ignore[no-untyped-call]
                 seqs.to(dtype),
                 self.gate_inner_proj.to(dtype),
                 self.output_proj.to(dtype),
@@ -306,7 +308,7 @@ class _GatherRows(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x: Tensor, index: Tensor, grad_index: Tensor, repeats: int
     ) -> Tensor:
         ctx.save_for_backward(grad_index)
@@ -340,7 +342,7 @@ class _LoopedSwiGLUExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         seqs: Tensor,
         gate_inner_proj: Tensor,
@@ -418,7 +420,7 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         seqs: Tensor,
         gate_inner_proj: Tensor,
@@ -639,12 +641,12 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         tokens_per_expert = torch.bincount(slot_experts, minlength=self.experts.num_experts)
 
         # (T, M) -> (T x K, M), sorted by expert
-        sorted_seqs = _GatherRows.apply(x, sorted_slots // top_k, slot_positions, top_k)
+        sorted_seqs = _GatherRows.apply(x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
 
         expert_outputs = self.experts(sorted_seqs, tokens_per_expert)
 
         # Back to (token, slot) order.
-        expert_outputs = _GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)
+        expert_outputs = _GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)  # type: ignore[no-untyped-call]
 
         # (T, 1, K) @ (T, K, M) -> (T, M)
         routed = torch.bmm(

@@ -99,4 +99,4 @@ def _split_per_key_head(
     groups = weight.view(num_key_heads, sum(sizes), -1)
 
     # (G, P_i, M) -> (G x P_i, M)
-    return [part.reshape(-1, weight.size(1)) for part in groups.split(sizes, dim=1)]
+    return [part.reshape(-1, weight.size(1)) for part in groups.split_with_sizes(sizes, dim=1)]

@@ -103,10 +103,12 @@ def main() -> None:
 
     torch.manual_seed(0)
 
-    model = create_qwen35_moe_model(config).train()
+    lm = create_qwen35_moe_model(config).train()
 
     if args.activation_checkpointing:
-        apply_ac_to_transformer_lm(model, every_nth_layer=1)  # type: ignore[arg-type]
+        apply_ac_to_transformer_lm(lm, every_nth_layer=1)
+
+    model: torch.nn.Module = lm
 
     rank, world_size = 0, 1
 
@@ -123,11 +125,11 @@ def main() -> None:
         if args.wrap == "fsdp2":
             gangs = create_fsdp_gangs(gangs)
 
-            model = to_fsdp2(model, gangs, lambda m, wrap: apply_fsdp_to_transformer_lm(m, "layer", wrap))  # type: ignore[arg-type]
+            model = to_fsdp2(lm, gangs, lambda m, wrap: apply_fsdp_to_transformer_lm(lm, "layer", wrap))
         else:
             # Experts without tokens get zero gradients, but the recipes still
             # declare the graph dynamic.
-            model = to_ddp(model, gangs, find_unused_parameters=True)
+            model = to_ddp(lm, gangs, find_unused_parameters=True)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
@@ -147,7 +149,7 @@ def main() -> None:
 
             # FSDP and DDP average gradients over ranks; undo it, so that the
             # gradient is the sum over shares in both runs.
-            (loss * world_size).backward()
+            torch.autograd.backward(loss * world_size)
 
             nll_sum += nll
 

@@ -155,8 +155,8 @@ class TestQwen35MoeBlock:
 
         cotangent = torch.randn_like(output)
 
-        (output * cotangent).sum().backward()
-        (expected * cotangent).sum().backward()
+        torch.autograd.backward((output * cotangent).sum())
+        torch.autograd.backward((expected * cotangent).sum())
 
         grads, expected_grads = _grads(block), _grads(reference)
 
@@ -193,7 +193,7 @@ class TestQwen35MoeBlock:
 
         seqs = torch.randn(4, MODEL_DIM).abs()
 
-        block(seqs).sum().backward()
+        torch.autograd.backward(block(seqs).sum())
 
         grad = block.experts.gate_inner_proj.grad
 
@@ -245,8 +245,8 @@ class TestRoutedExperts:
 
         cotangent = torch.randn_like(output)
 
-        (output * cotangent).sum().backward()
-        (output_looped * cotangent).sum().backward()
+        torch.autograd.backward((output * cotangent).sum())
+        torch.autograd.backward((output_looped * cotangent).sum())
 
         torch.testing.assert_close(seqs.grad, seqs_looped.grad)
 
@@ -297,8 +297,8 @@ class TestRoutedExperts:
 
         torch.testing.assert_close(output, expected, atol=2e-2, rtol=2e-2)
 
-        output.float().sum().backward()
-        expected.float().sum().backward()
+        torch.autograd.backward(output.float().sum())
+        torch.autograd.backward(expected.float().sum())
 
         torch.testing.assert_close(seqs.grad, seqs_ref.grad, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(experts.gate_inner_proj.grad, reference.gate_inner_proj.grad, atol=5e-2, rtol=2e-2)
@@ -310,7 +310,8 @@ def _hf_aux_loss(blocks: list[Qwen35MoeBlock], inputs: list[Tensor], attention_m
 
     num_experts = blocks[0].router.num_experts
 
-    loss = load_balancing_loss_func(logits, num_experts, blocks[0].router.top_k, attention_mask)
+    # Annotated `tuple[Tensor]`, but takes one tensor per layer.
+    loss = load_balancing_loss_func(logits, num_experts, blocks[0].router.top_k, attention_mask)  # type: ignore[arg-type]
 
     assert isinstance(loss, Tensor)
 
@@ -410,9 +411,9 @@ class TestLoadBalancingLoss:
 
         assert statistics is not None
 
-        statistics.load_balancing_loss.backward()
+        torch.autograd.backward(statistics.load_balancing_loss)
 
-        _hf_aux_loss(references, inputs, None).backward()
+        torch.autograd.backward(_hf_aux_loss(references, inputs, None))
 
         for block, reference in zip(blocks, references):
             grad = block.router.weight.grad
@@ -469,7 +470,7 @@ class TestCollectMoeStatistics:
 
         checkpointed = copy.deepcopy(model)
 
-        apply_ac_to_transformer_lm(checkpointed, every_nth_layer=1)  # type: ignore[arg-type]
+        apply_ac_to_transformer_lm(checkpointed, every_nth_layer=1)
 
         seqs = torch.randint(1, config.vocab_size, (2, 12))
         targets = torch.randint(1, config.vocab_size, (2, 12))
@@ -477,7 +478,7 @@ class TestCollectMoeStatistics:
         layout = BatchLayout((2, 12), [12, 7])
 
         def loss(m: torch.nn.Module) -> Tensor:
-            nll = m(seqs, layout, targets, reduction="mean")
+            nll: Tensor = m(seqs, layout, targets, reduction="mean")
 
             statistics = collect_moe_statistics(m)
 
@@ -485,10 +486,10 @@ class TestCollectMoeStatistics:
 
             return nll + 0.1 * statistics.load_balancing_loss
 
-        loss(model).backward()
+        torch.autograd.backward(loss(model))
 
         with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
-            loss(checkpointed).backward()
+            torch.autograd.backward(loss(checkpointed))
 
         # The recomputation in the backward pass recorded nothing.
         assert collect_moe_statistics_or_none(checkpointed) is None

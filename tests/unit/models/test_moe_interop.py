@@ -220,7 +220,7 @@ class TestUnpackQwen3NextProjections:
     @pytest.mark.parametrize(("num_key_heads", "num_value_heads"), [(2, 2), (2, 4), (1, 3)])
     def test_matches_transformers_grouping(self, num_key_heads: int, num_value_heads: int) -> None:
         """transformers 4.57's `fix_query_key_value_ordering` is the reference."""
-        hf_config = Qwen3NextConfig(
+        hf_config = Qwen3NextConfig(  # type: ignore[no-untyped-call]
             hidden_size=H,
             linear_num_key_heads=num_key_heads,
             linear_num_value_heads=num_value_heads,
@@ -254,7 +254,7 @@ class TestUnpackQwen3NextProjections:
         x = torch.randn(2, 3, H)
 
         with torch.no_grad():
-            q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))
+            q, k, v, z, b, a = gdn.fix_query_key_value_ordering(gdn.in_proj_qkvz(x), gdn.in_proj_ba(x))  # type: ignore[no-untyped-call]
 
         def project(name: str) -> Tensor:
             weight = unpacked[prefix + name + ".weight"]
