@@ -19,8 +19,10 @@ pytestmark = [
 CUDA = torch.device("cuda")
 
 # Per-tensor RMS error ratios of fla against our fp32 kernel, those of fla's
-# own tests (`tests/ops/test_gdn.py`); fla rounds its intra-chunk products
-# (tf32 for fp32 inputs) and we do not.
+# own tests (`tests/ops/test_gdn.py`), 3x for bf16 inputs: fla rounds its
+# intra-chunk products (to bf16, or tf32 for fp32 inputs) and we do not.
+# Misuse of fla's API (argument order, grouped heads, offsets) gives errors of
+# order 1.
 TOLERANCES = {
     "o": 5e-3,
     "ht": 5e-3,
@@ -102,7 +104,7 @@ class TestFlaBackend:
         assert actual["ht"].dtype == torch.float32
 
         for name, ratio in TOLERANCES.items():
-            assert_close(name, expected[name], actual[name], ratio)
+            assert_close(name, expected[name], actual[name], ratio if dtype == torch.float32 else 3 * ratio)
 
     def test_decoding_one_token_matches_torch_backend(self) -> None:
         inputs = to_cuda(make_delta_rule_inputs(3, 1, 2, 4, 64, 64, seed=52), torch.bfloat16)
