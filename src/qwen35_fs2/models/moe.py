@@ -778,6 +778,10 @@ class MoeStatistics:
     assignments and :math:`P_e` the summed router probabilities of expert
     :math:`e`, it is :math:`E \\sum_e (C_e / N) (P_e / N)` (1 when perfectly
     balanced with ``top_k`` 1). Unscaled; differentiable. *Shape:* :math:`()`.
+
+    The probabilities are the softmax of the router logits, as in
+    transformers 5.24; in 5.2.0 the Qwen3.5-MoE router handed its
+    probabilities to the loss as logits, which applied the softmax twice.
     """
 
     tokens_per_expert: Tensor
