@@ -36,6 +36,7 @@ from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
 from qwen35_fs2.models.moe import MoeStatistics, Qwen35MoeBlock, collect_moe_statistics
+from qwen35_fs2.recipes.preemption import install_stop_on_signal_fix
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
@@ -150,6 +151,9 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("elements_per_second", "Tokens per Second", 810, format_as_int)
 
     register_cli_error(container, NonFiniteLossError, _handle_non_finite_loss_error)
+
+    # SIGUSR1 (SLURM's warning before the time limit) must stop training.
+    install_stop_on_signal_fix()
 
 
 def get_sft_pad_idx(tokenizer: Tokenizer) -> int:
