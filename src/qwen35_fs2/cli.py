@@ -10,7 +10,7 @@ through :func:`fairseq2.recipe.cli.main`, with these arguments::
   merged over the recipe's defaults. ``--config KEY=VALUE``, fairseq2's own
   meaning of the option, is an override like ``--set KEY=VALUE``.
 - ``OUTPUT_DIR`` defaults to the ``output_dir`` of the configuration, and
-  otherwise to ``runs/<recipe>``. Running a recipe again with the same output
+  otherwise to ``outputs/<recipe>``. Running a recipe again with the same output
   directory and configuration resumes from its last checkpoint.
 - ``fairseq2 lm export_hf ...`` hands its arguments to
   :func:`qwen35_fs2.export_cli.main`.
@@ -140,7 +140,7 @@ def _add_recipe_arguments(parser: ArgumentParser) -> None:
         type=Path,
         nargs="?",
         metavar="OUTPUT_DIR",
-        help="directory of the logs, metrics and checkpoints (default: `output_dir` of the configuration, or runs/<recipe>)",
+        help="directory of the logs, metrics and checkpoints (default: `output_dir` of the configuration, or outputs/<recipe>)",
     )
 
     parser.add_argument(
@@ -233,7 +233,7 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
             output_dir = _find_output_dir(config_file, overrides, parser)
 
         if output_dir is None:
-            output_dir = Path("runs", command.name)
+            output_dir = Path("outputs", command.name)
 
         fairseq2_argv.append(str(output_dir))
 
@@ -286,9 +286,9 @@ class _ConfigErrorCatcher(logging.Handler):
 
     @override
     def emit(self, record: logging.LogRecord) -> None:
-        exc_info = record.exc_info
-
         # fairseq2 logs with `exc_info=True` from inside the `except` block.
+        exc_info: object = record.exc_info
+
         if exc_info is True:
             exc_info = sys.exc_info()
 

@@ -105,7 +105,7 @@ def chunked_cross_entropy(
         if proj_params is not None:
             weight, bias = proj_params
 
-            return _FusedLinearCrossEntropy.apply(
+            loss: Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
                 flat_output,
                 weight,
                 bias,
@@ -115,6 +115,8 @@ def chunked_cross_entropy(
                 label_smoothing,
                 chunk_size,
             )
+
+            return loss
 
     chunk_reduction: Literal["sum", "none"] = "none" if reduction == "none" else "sum"
 
@@ -231,7 +233,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         inputs: Tensor,
         weight: Tensor,
@@ -336,7 +338,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         input_grad, weight_grad, bias_grad = ctx.saved_tensors
 
         def scale(grad: Tensor | None) -> Tensor | None:

@@ -25,7 +25,7 @@ from fairseq2.metrics.common import (
     update_seq_batch_metrics,
 )
 from fairseq2.metrics.formatters import format_as_float, format_as_int
-from fairseq2.metrics.recorders import MetricDescriptor
+from fairseq2.metrics.recorders import MetricDescriptor, MetricFormatter
 from fairseq2.models.clm import CausalLM
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.cli import register_cli_error
@@ -135,7 +135,7 @@ def _handle_non_finite_loss_error(ex: NonFiniteLossError) -> int:
 def register_lm_recipe_extras(container: DependencyContainer) -> None:
     """Registers the metric names and error handlers of our LM recipes."""
 
-    def register(name: str, display_name: str, priority: int, formatter: Callable[[object], str]) -> None:
+    def register(name: str, display_name: str, priority: int, formatter: MetricFormatter) -> None:
         descriptor = MetricDescriptor(name, display_name, priority, formatter)
 
         container.collection.register_instance(MetricDescriptor, descriptor)

@@ -83,7 +83,7 @@ def find_executable(name: str) -> str:
 
 def read_metrics(output_dir: Path, name: str = "train") -> dict[int, dict[str, float]]:
     """Returns the metrics of each step recorded in ``metrics/<name>.jsonl``."""
-    return {record["Step"]: record for record in read_metric_records(output_dir, name)}
+    return {int(record["Step"]): record for record in read_metric_records(output_dir, name)}
 
 
 def read_metric_records(output_dir: Path, name: str) -> list[dict[str, float]]:

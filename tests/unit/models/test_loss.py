@@ -102,6 +102,8 @@ class TestChunkedCrossEntropy:
         # A weighted sum makes every element of a 'none' reduction count.
         weights = torch.rand(expected.shape, dtype=torch.float32)
 
+        assert proj.bias is not None
+
         params = [decoder_output, proj.weight, proj.bias]
 
         expected_grads = torch.autograd.grad((expected * weights).sum(), params)
@@ -194,10 +196,10 @@ class TestInstallChunkedLMLoss:
 
         layout = BatchLayout.of(seqs[:, :-1])
 
-        kwargs = dict(targets=seqs[:, 1:], target_mask=target_mask[:, 1:], label_smoothing=0.1)
+        targets, mask = seqs[:, 1:], target_mask[:, 1:]
 
         # `return_logits=True` takes fairseq2's unchunked `compute_loss` path.
-        expected, _ = model(seqs[:, :-1], layout, return_logits=True, **kwargs)
+        expected, _ = model(seqs[:, :-1], layout, targets, target_mask=mask, label_smoothing=0.1, return_logits=True)
 
         expected.backward()
 
@@ -205,7 +207,7 @@ class TestInstallChunkedLMLoss:
 
         model.zero_grad()
 
-        actual = model(seqs[:, :-1], layout, **kwargs)
+        actual = model(seqs[:, :-1], layout, targets, target_mask=mask, label_smoothing=0.1)
 
         actual.backward()
 

@@ -67,7 +67,7 @@ class TestMain:
 
         cli.main(["lm", "instruction_finetune", "--config", str(config)])
 
-        assert fairseq2_main.argv == ["fairseq2 lm instruction_finetune", "runs/instruction_finetune", "--config-file", str(config)]
+        assert fairseq2_main.argv == ["fairseq2 lm instruction_finetune", "outputs/instruction_finetune", "--config-file", str(config)]
 
     def test_config_file_set_and_flags_are_passed_on(self, fairseq2_main: _Fairseq2Main, tmp_path: Path) -> None:
         config = _write_config(tmp_path, "regime: {num_steps: 3}\n")

@@ -15,6 +15,7 @@ CONFIGS = {
     "qwen35_0.8b_gsm8k_eval.yaml": "eval_gsm8k",
     "qwen35_0.8b_fineweb_edu.yaml": "train",
     "qwen35_tiny_gsm8k_cpu.yaml": "instruction_finetune",
+    "qwen35_tiny_gsm8k_eval_cpu.yaml": "eval_gsm8k",
     "qwen35_tiny_pretrain_cpu.yaml": "train",
 }
 
@@ -43,7 +44,7 @@ class TestShippedConfigs:
         assert returncode == 0, output
 
         # The merged configuration, ready to be saved and reused.
-        assert re.search(r"^output_dir: runs/", output, re.MULTILINE), output
+        assert re.search(r"^output_dir: outputs/", output, re.MULTILINE), output
 
 
 class TestBadConfigs:

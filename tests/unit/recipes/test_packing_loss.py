@@ -50,7 +50,7 @@ def _per_example_losses(model: TransformerLM, batch: SequenceBatch) -> Tensor:
 
     assert target_mask is not None
 
-    losses = model(seqs, seqs_layout, targets=target_batch.seqs, target_mask=target_mask, reduction="none")  # type: ignore[arg-type]
+    losses = model(seqs, seqs_layout, targets=target_batch.seqs, target_mask=target_mask, reduction="none")  # type: ignore[call-overload]
 
     if not batch.packed:
         return losses.sum(dim=1) / target_mask.sum(dim=1)

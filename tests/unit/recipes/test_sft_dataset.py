@@ -7,6 +7,7 @@ from fairseq2.datasets import SequenceBatch
 from fairseq2.gang import FakeGang, Gangs, create_fake_gangs
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
+from qwen35_fs2.models.config import ENDOFTEXT_IDX
 from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.instruction import ChatEncoder, InstructionDataError, InstructionExample
 from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
@@ -75,7 +76,7 @@ class TestCreateSFTReader:
             # Padding is never a target.
             assert not batch.target_mask[row, seq_len:].any()
 
-            assert (batch.seqs[row, seq_len:] == tokenizer.vocab_info.pad_idx).all()
+            assert batch.seqs[row, seq_len:].eq(ENDOFTEXT_IDX).all()
 
     def test_packed_batches_hold_whole_examples_within_max_num_tokens(self, tokenizer: Qwen35Tokenizer) -> None:
         examples = _examples(23)

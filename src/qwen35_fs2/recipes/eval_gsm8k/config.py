@@ -29,7 +29,7 @@ class EvalGsm8kConfig:
     output_dir: Path | None = None
     """
     Where the run writes its logs, metrics and generations, if the command line
-    names none. If ``None``, ``runs/eval_gsm8k``.
+    names none. If ``None``, ``outputs/eval_gsm8k``.
     """
 
     model: ReferenceModelSection = field(

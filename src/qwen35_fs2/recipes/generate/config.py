@@ -24,7 +24,7 @@ class GenerateConfig:
     output_dir: Path | None = None
     """
     Where the run writes its logs and generations, if the command line names
-    none. If ``None``, ``runs/generate``.
+    none. If ``None``, ``outputs/generate``.
     """
 
     model: ReferenceModelSection = field(

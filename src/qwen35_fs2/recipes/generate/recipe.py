@@ -7,7 +7,7 @@ from typing import TextIO, final
 
 from typing_extensions import override
 
-from fairseq2.assets import AssetDownloadManager
+from fairseq2.assets import get_asset_download_manager
 from fairseq2.data.tokenizers import Tokenizer
 from fairseq2.datasets import SequenceBatch
 from fairseq2.generation import SequenceGenerator
@@ -42,7 +42,7 @@ class GenerateRecipe(Recipe):
 
         section = config.dataset
 
-        download_manager = context.resolver.resolve(AssetDownloadManager)
+        download_manager = get_asset_download_manager()
 
         examples = read_instruction_examples(
             section.sources, download_manager, require_response=False

@@ -39,6 +39,9 @@ class SFTDatasetSection:
     valid: list[InstructionSource] = field(default_factory=list)
     """The validation examples; if empty, the recipe does not validate."""
 
+    max_num_valid_examples: int | None = None
+    """If not ``None``, only the first validation examples are used."""
+
     max_seq_len: int = 2048
     """The maximum number of tokens of an example; longer ones are skipped."""
 
@@ -97,6 +100,11 @@ class SFTDatasetSection:
                     "`batch_size` must be `None` when `packing` is `True`, since packed batches are sized by `max_num_tokens`."
                 )
 
+        if self.max_num_valid_examples is not None and self.max_num_valid_examples < 1:
+            result.add_error(
+                f"`max_num_valid_examples` must be greater than or equal to 1, but is {self.max_num_valid_examples} instead."
+            )
+
         if self.example_shuffle_window < 0:
             result.add_error(
                 f"`example_shuffle_window` must be greater than or equal to 0, but is {self.example_shuffle_window} instead."
@@ -115,7 +123,7 @@ class InstructionFinetuneConfig:
     output_dir: Path | None = None
     """
     Where the run writes its logs, metrics and checkpoints, if the command line
-    names none. If ``None``, ``runs/instruction_finetune``.
+    names none. If ``None``, ``outputs/instruction_finetune``.
     """
 
     model: ModelSection = field(

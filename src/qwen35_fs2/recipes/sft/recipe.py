@@ -9,7 +9,7 @@ from typing import final
 from torch.nn import Module
 from typing_extensions import override
 
-from fairseq2.assets import AssetDownloadManager
+from fairseq2.assets import get_asset_download_manager
 from fairseq2.datasets import SyncMode
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import Recipe, RecipeContext
@@ -64,15 +64,16 @@ class InstructionFinetuneRecipe(Recipe):
 
         # Read the data first: a bad file or split stops the run before the
         # model is built.
-        download_manager = context.resolver.resolve(AssetDownloadManager)
+        download_manager = get_asset_download_manager()
 
         train_examples = read_instruction_examples(section.train, download_manager)
 
-        valid_examples = (
-            read_instruction_examples(section.valid, download_manager)
-            if section.valid
-            else None
-        )
+        if section.valid:
+            valid_examples = read_instruction_examples(section.valid, download_manager)
+
+            valid_examples = valid_examples[: section.max_num_valid_examples]
+        else:
+            valid_examples = None
 
         tokenizer = context.get_tokenizer()
 

@@ -104,7 +104,7 @@ class PretrainConfig:
     output_dir: Path | None = None
     """
     Where the run writes its logs, metrics and checkpoints, if the command line
-    names none. If ``None``, ``runs/train``.
+    names none. If ``None``, ``outputs/train``.
     """
 
     model: ModelSection = field(
