@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # SFT pads with it and excludes it from the loss.
                 "model.config_overrides={pad_idx: 248044}",
                 f"common.assets.prev_checkpoint_dir={pretrain_dir / 'checkpoints'}",
+                # Two or three examples per step.
+                "dataset.max_num_tokens=512",
                 f"regime.num_steps={args.sft_steps}", f"regime.checkpoint_every_n_steps={args.sft_steps}",
                 f"regime.validate_every_n_steps={args.sft_steps}",
             ],

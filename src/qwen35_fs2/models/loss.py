@@ -375,11 +375,6 @@ def install_chunked_lm_loss(
     :class:`TransformerLM` is final, so its ``compute_fused_loss`` is replaced
     on the instance, as fairseq2's own ``compile_loss`` does.
     """
-    if chunk_size < 1:
-        raise ValueError(
-            f"`chunk_size` must be greater than or equal to 1, but is {chunk_size} instead."
-        )
-
     loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size)
 
     model.compute_fused_loss = MethodType(loss_fn, model)  # type: ignore[method-assign]

@@ -333,7 +333,7 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
         # A non-finite loss would silently turn every weight into NaN. The
         # process exits, so `torchrun` and `srun` end the other ranks too.
         if not torch.isfinite(loss.detach()).item():
-            raise NonFiniteLossError(self._step_nr, float(loss), batch.num_examples, num_targets)
+            raise NonFiniteLossError(self._step_nr, loss.item(), batch.num_examples, num_targets)
 
         return loss, num_targets
 

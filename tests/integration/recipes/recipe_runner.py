@@ -34,10 +34,12 @@ def run_recipe(
     overrides: Sequence[str],
     *,
     nproc: int = 1,
+    expected_returncode: int = 0,
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``fairseq2 lm <command>`` (or its ``torchrun`` module) with the
     config file ``recipes/<config>`` and returns the finished process; fails
-    the test with the output if it failed."""
+    the test with the output if it exits with another code than
+    ``expected_returncode``."""
     args = [str(output_dir), "--no-rich", "--set", *overrides]
 
     if config is not None:
@@ -52,8 +54,8 @@ def run_recipe(
 
     process = run_command(cmd)
 
-    if process.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} failed with exit code {process.returncode}:\n{process.stdout[-6000:]}")
+    if process.returncode != expected_returncode:
+        pytest.fail(f"{' '.join(cmd)} exited with code {process.returncode} instead of {expected_returncode}:\n{process.stdout[-6000:]}")
 
     return process
 

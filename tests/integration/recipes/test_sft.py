@@ -85,3 +85,14 @@ class TestInstructionFinetuneCPU:
         assert valid[6]["Number of Examples"] == 6
 
         assert output_dir.joinpath("checkpoints", "step_6", "model").is_dir()
+
+    def test_a_nan_loss_stops_both_processes_with_a_clear_error(self, tmp_path: Path) -> None:
+        # An absurd learning rate turns the weights, then the loss, into NaN.
+        overrides = [*OVERRIDES, "optimizer.config.lr=1e30", "trainer.max_grad_norm=null"]
+
+        process = run_recipe("instruction_finetune", tmp_path / "out", CONFIG, overrides, nproc=2, expected_returncode=1)
+
+        assert "The loss of a training batch is nan at step" in process.stdout
+
+        # Neither rank hung: torchrun reports the failed ranks and returns.
+        assert "ChildFailedError" in process.stdout

@@ -14,6 +14,7 @@ which the mask excludes.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, final
 
 import torch
@@ -35,44 +36,26 @@ EncodedExample = dict[str, Any]
 
 
 @final
+@dataclass(frozen=True, kw_only=True)
 class SFTBatching:
-    """How examples are grouped into batches.
+    """How examples are grouped into batches. The values are validated with
+    the recipe's configuration."""
 
-    :param max_seq_len: Longer examples are skipped, with a warning.
-    :param max_num_tokens: The maximum number of tokens of a batch, padding
-        included; a multiple of ``max_seq_len`` for padded batches. Ignored if
-        ``batch_size`` is set.
-    :param batch_size: If not ``None``, every padded batch has this many
-        examples (the last one may have fewer).
-    :param packing: If ``True``, batches are packed instead of padded.
+    max_seq_len: int
+    """Longer examples are skipped, with a warning."""
+
+    max_num_tokens: int
+    """
+    The maximum number of tokens of a batch, padding included; a multiple of
+    ``max_seq_len`` for padded batches. Ignored if ``batch_size`` is set.
     """
 
-    def __init__(
-        self,
-        *,
-        max_seq_len: int,
-        max_num_tokens: int,
-        batch_size: int | None = None,
-        packing: bool = False,
-    ) -> None:
-        if packing and batch_size is not None:
-            raise ValueError("`batch_size` must be `None` when `packing` is `True`.")
+    batch_size: int | None = None
+    """If not ``None``, every padded batch has this many examples (the last
+    one may have fewer)."""
 
-        if max_num_tokens < max_seq_len:
-            raise ValueError(
-                f"`max_num_tokens` must be greater than or equal to `max_seq_len` ({max_seq_len}), but is {max_num_tokens} instead."
-            )
-
-        # Length buckets hold `max_num_tokens // seq_len` examples.
-        if not packing and batch_size is None and max_num_tokens % max_seq_len != 0:
-            raise ValueError(
-                f"`max_num_tokens` must be a multiple of `max_seq_len` ({max_seq_len}) when padded batches are sized by it, but is {max_num_tokens} instead."
-            )
-
-        self.max_seq_len = max_seq_len
-        self.max_num_tokens = max_num_tokens
-        self.batch_size = batch_size
-        self.packing = packing
+    packing: bool = False
+    """If ``True``, batches are packed instead of padded."""
 
 
 def create_sft_reader(
