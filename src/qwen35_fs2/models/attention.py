@@ -7,6 +7,7 @@ from typing import final
 
 import torch
 from torch import Tensor
+from torch.nn.functional import linear
 from typing_extensions import override
 
 from fairseq2.data_type import DataType
@@ -29,6 +30,13 @@ from fairseq2.nn import (
     RowShardedLinear,
 )
 from fairseq2.ops import repeat_interleave
+from fairseq2.ops.tensor_parallel import gather, reduce_on_backward
+
+from qwen35_fs2.models.tp import (
+    call_with_tp_summed_gradients,
+    check_tp_divisible,
+    sum_gradient_over_tp,
+)
 
 
 @final
@@ -45,6 +53,16 @@ class Qwen35Attention(MultiheadAttention):
     - ``q_norm`` and ``k_norm`` are applied before the (partial) rotary
       encoding.
     - No projection has a bias.
+
+    Under tensor parallelism each rank holds ``num_heads / tp_size`` query
+    heads. Key/value heads are sharded alike when ``num_key_value_heads`` is a
+    multiple of the tensor parallel size. Otherwise (e.g. 4 key/value heads on
+    8 ranks) they are replicated: each rank still stores a contiguous
+    ``1 / tp_size`` of the ``k_proj`` and ``v_proj`` rows, so checkpoints
+    reshard as for any column-sharded projection, but gathers the weights in
+    the forward pass and computes the key/value heads its query heads use;
+    the gradients are summed over the ranks, as are those of the shared
+    ``q_norm`` and ``k_norm`` weights.
     """
 
     def __init__(
@@ -78,19 +96,33 @@ class Qwen35Attention(MultiheadAttention):
         if gangs is None:
             gangs = get_current_gangs(device)
 
-        tp_size = gangs.tp.size
+        tp_gang = gangs.tp
 
-        for name, value in (("num_heads", num_heads), ("num_key_value_heads", num_key_value_heads)):
-            if value % tp_size != 0:
-                raise ValueError(
-                    f"`{name}` must be a multiple of the tensor parallel size ({tp_size}), but is {value} instead."
-                )
+        check_tp_divisible("num_heads", num_heads, tp_gang)
 
         self.model_dim = model_dim
         self.num_heads = num_heads
         self.num_key_value_heads = num_key_value_heads
         self.head_dim = head_dim
         self.num_query_groups = num_heads // num_key_value_heads
+
+        self.tp_gang = tp_gang
+
+        self.shard_key_value_heads = num_key_value_heads % tp_gang.size == 0
+
+        # With replicated key/value heads: the first key/value head that the
+        # rank's query heads use, and the one each of them uses, counted from
+        # it.
+        num_local_heads = num_heads // tp_gang.size
+
+        first_head = tp_gang.rank * num_local_heads
+
+        self.first_key_value_head = first_head // self.num_query_groups
+
+        self.key_value_head_indices = [
+            (first_head + idx) // self.num_query_groups - self.first_key_value_head
+            for idx in range(num_local_heads)
+        ]
 
         def make_column_linear(output_dim: int) -> ColumnShardedLinear:
             return ColumnShardedLinear(
@@ -150,18 +182,34 @@ class Qwen35Attention(MultiheadAttention):
         # (N, S, H, K_h), (N, S, H, K_h)
         q, gate = q_and_gate.split(self.head_dim, dim=-1)
 
-        q = self.pos_encoder(self.q_norm(q), seqs_layout, state_bag=state_bag)
+        q = call_with_tp_summed_gradients(self.q_norm, self.tp_gang, q)
+
+        q = self.pos_encoder(q, seqs_layout, state_bag=state_bag)
 
         # (N, S, M) -> (N, S, H_kv, K_h)
-        k = self.k_proj(seqs).unflatten(-1, (-1, self.head_dim))
-        v = self.v_proj(seqs).unflatten(-1, (-1, self.head_dim))
+        if self.shard_key_value_heads:
+            k = self.k_proj(seqs)
+            v = self.v_proj(seqs)
+        else:
+            k, v = self._project_replicated_key_values(seqs)
 
-        k = self.pos_encoder(self.k_norm(k), seqs_layout, state_bag=state_bag)
+        k = k.unflatten(-1, (-1, self.head_dim))
+        v = v.unflatten(-1, (-1, self.head_dim))
+
+        k = call_with_tp_summed_gradients(self.k_norm, self.tp_gang, k)
+
+        k = self.pos_encoder(k, seqs_layout, state_bag=state_bag)
 
         if not self.training and state_bag is not None:
             k, v, keys_layout = self._update_state(k, v, seqs_layout, state_bag)
 
-        if self.num_query_groups > 1:
+        if not self.shard_key_value_heads:
+            # (N, S_kv, H_kv', K_h) -> (N, S_kv, H, K_h)
+            indices = torch.tensor(self.key_value_head_indices, device=k.device)
+
+            k = k.index_select(-2, indices)
+            v = v.index_select(-2, indices)
+        elif self.num_query_groups > 1:
             # (N, S_kv, H_kv, K_h) -> (N, S_kv, H, K_h)
             k = repeat_interleave(k, dim=-2, repeat=self.num_query_groups)
             v = repeat_interleave(v, dim=-2, repeat=self.num_query_groups)
@@ -175,6 +223,25 @@ class Qwen35Attention(MultiheadAttention):
 
         # (N, S, H, K_h) -> (N, S, M)
         return self.output_proj(attns.flatten(-2, -1))
+
+    def _project_replicated_key_values(self, seqs: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns the key/value heads that the rank's query heads use, from
+        the gathered ``k_proj`` and ``v_proj`` weights."""
+        first_row = self.first_key_value_head * self.head_dim
+
+        num_rows = (max(self.key_value_head_indices) + 1) * self.head_dim
+
+        # Each rank's gradients cover only its query heads: both the input's
+        # and the gathered weights' are summed, and each rank keeps the sum
+        # of its rows.
+        seqs = reduce_on_backward(seqs, self.tp_gang)
+
+        def project(proj: ColumnShardedLinear) -> Tensor:
+            weight = sum_gradient_over_tp(gather(proj.weight, self.tp_gang, dim=0), self.tp_gang)
+
+            return linear(seqs, weight.narrow(0, first_row, num_rows))
+
+        return project(self.k_proj), project(self.v_proj)
 
     def _update_state(
         self,
@@ -207,8 +274,13 @@ class Qwen35Attention(MultiheadAttention):
 
     @override
     def extra_repr(self) -> str:
-        return (
+        s = (
             f"num_heads={self.num_heads}, "
             f"num_key_value_heads={self.num_key_value_heads}, "
             f"head_dim={self.head_dim}"
         )
+
+        if self.tp_gang.size > 1 and not self.shard_key_value_heads:
+            s = f"{s}, replicated_key_value_heads=True"
+
+        return s

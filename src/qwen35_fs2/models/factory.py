@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from fairseq2.error import NotSupportedError
 from fairseq2.gang import get_current_gangs
 from fairseq2.models.transformer import (
     CausalAttentionBias,
@@ -40,6 +39,7 @@ from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.loss import install_chunked_lm_loss
 from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.models.rotary import PartialRotaryEncoder
+from qwen35_fs2.models.tp import TiedVocabShardedProjection
 from qwen35_fs2.ops import GdnBackend, resolve_gdn_backend
 
 
@@ -199,9 +199,7 @@ class Qwen35Factory:
                 )
 
             if isinstance(embed, VocabShardedEmbedding) and embed.tp_gang.size > 1:
-                raise NotSupportedError(
-                    "Tied embeddings are not supported when tensor parallelism is enabled."
-                )
+                return TiedVocabShardedProjection(embed.weight, config.vocab_size, embed.tp_gang)
 
             return TiedProjection(embed.weight, bias=None)
 

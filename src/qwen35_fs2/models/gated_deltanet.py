@@ -13,16 +13,24 @@ from typing_extensions import override
 
 from fairseq2.data_type import DataType
 from fairseq2.device import Device
-from fairseq2.error import NotSupportedError
 from fairseq2.gang import Gangs, get_current_gangs
-from fairseq2.nn import BatchLayout, IncrementalState, IncrementalStateBag, Linear
+from fairseq2.nn import (
+    BatchLayout,
+    ColumnShardedLinear,
+    IncrementalState,
+    IncrementalStateBag,
+    Linear,
+    RowShardedLinear,
+)
+from fairseq2.nn.sharded import Sharded
 
 from qwen35_fs2.models.normalization import GatedRMSNorm
+from qwen35_fs2.models.tp import call_with_tp_summed_gradients, check_tp_divisible
 from qwen35_fs2.ops import GdnBackend, causal_conv1d, gated_delta_rule
 
 
 @final
-class GatedDeltaNet(Module):
+class GatedDeltaNet(Module, Sharded):
     """The Gated DeltaNet token mixer (Yang et al., 2024) as used by Qwen3.5.
 
     ::
@@ -38,6 +46,17 @@ class GatedDeltaNet(Module):
     document starts of their layout: neither the convolution nor the
     recurrent state ever crosses a document boundary. In padded batches the
     pad positions neither decay nor write the state.
+
+    Differences from the Hugging Face module: the rows of ``in_proj_qkv`` and
+    the channels of ``conv1d`` are grouped by key head, ``[q_g | k_g | v_g]``
+    for key head ``g`` and its ``num_value_heads / num_key_heads`` value heads
+    (Hugging Face stores ``[q | k | v]``, each over all heads; the converters
+    permute the rows, bit for bit). A contiguous block of rows is then whole
+    key-head groups, so tensor parallelism splits every parameter by
+    contiguous blocks: each rank holds ``num_key_heads / tp_size`` groups,
+    with their ``in_proj_z``/``in_proj_b``/``in_proj_a`` rows, ``A_log`` and
+    ``dt_bias`` entries and ``output_proj`` columns. The ``norm`` weight,
+    shared by all heads, is replicated and its gradient summed over the ranks.
     """
 
     def __init__(
@@ -66,10 +85,9 @@ class GatedDeltaNet(Module):
         if gangs is None:
             gangs = get_current_gangs(device)
 
-        if gangs.tp.size > 1:
-            raise NotSupportedError(
-                "`GatedDeltaNet` does not support tensor parallelism yet."
-            )
+        tp_gang = gangs.tp
+
+        check_tp_divisible("num_key_heads", num_key_heads, tp_gang)
 
         self.num_key_heads = num_key_heads
         self.num_value_heads = num_value_heads
@@ -77,29 +95,37 @@ class GatedDeltaNet(Module):
         self.value_head_dim = value_head_dim
         self.backend: GdnBackend = backend
 
+        self.tp_gang = tp_gang
+
+        # The heads of this rank.
+        self.num_local_key_heads = num_key_heads // tp_gang.size
+        self.num_local_value_heads = num_value_heads // tp_gang.size
+
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
 
         self.key_dim = key_dim
         self.value_dim = value_dim
 
-        def make_linear(input_dim: int, output_dim: int) -> Linear:
-            return Linear(
-                input_dim,
+        def make_column_linear(output_dim: int) -> ColumnShardedLinear:
+            return ColumnShardedLinear(
+                model_dim,
                 output_dim,
                 bias=False,
+                gather_output=False,
                 init_fn=proj_init_fn,
+                gangs=gangs,
                 device=device,
                 dtype=dtype,
             )
 
-        self.in_proj_qkv = make_linear(model_dim, 2 * key_dim + value_dim)
-        self.in_proj_z = make_linear(model_dim, value_dim)
-        self.in_proj_b = make_linear(model_dim, num_value_heads)
-        self.in_proj_a = make_linear(model_dim, num_value_heads)
+        self.in_proj_qkv = make_column_linear(2 * key_dim + value_dim)
+        self.in_proj_z = make_column_linear(value_dim)
+        self.in_proj_b = make_column_linear(num_value_heads)
+        self.in_proj_a = make_column_linear(num_value_heads)
 
         self.conv1d = CausalDepthwiseConv1d(
-            2 * key_dim + value_dim,
+            (2 * key_dim + value_dim) // tp_gang.size,
             conv_kernel_size,
             backend=backend,
             device=device,
@@ -107,18 +133,27 @@ class GatedDeltaNet(Module):
         )
 
         self.A_log = Parameter(
-            torch.empty((num_value_heads,), device=device, dtype=dtype)
+            torch.empty((self.num_local_value_heads,), device=device, dtype=dtype)
         )
 
         self.dt_bias = Parameter(
-            torch.empty((num_value_heads,), device=device, dtype=dtype)
+            torch.empty((self.num_local_value_heads,), device=device, dtype=dtype)
         )
 
         self.norm = GatedRMSNorm(
             value_head_dim, eps=norm_eps, backend=backend, device=device, dtype=dtype
         )
 
-        self.output_proj = make_linear(value_dim, model_dim)
+        self.output_proj = RowShardedLinear(
+            value_dim,
+            model_dim,
+            bias=False,
+            scatter_input=False,
+            init_fn=proj_init_fn,
+            gangs=gangs,
+            device=device,
+            dtype=dtype,
+        )
 
         self.reset_parameters()
 
@@ -170,7 +205,7 @@ class GatedDeltaNet(Module):
             if state is not None:
                 state.check_batch_size(x.size(0))
 
-        # (N, S, M) -> (N, S, 2 x K + V)
+        # (N, S, M) -> (N, S, G x (2 x K_h + R x V_h)), grouped by key head
         qkv = self.in_proj_qkv(x)
 
         qkv, conv_state = self.conv1d(
@@ -180,12 +215,16 @@ class GatedDeltaNet(Module):
             output_final_state=incremental,
         )
 
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # (N, S, G, 2 x K_h + R x V_h)
+        qkv = qkv.unflatten(-1, (self.num_local_key_heads, -1))
 
-        # (N, S, H x D) -> (N, S, H, D)
-        q = q.unflatten(-1, (self.num_key_heads, self.key_head_dim))
-        k = k.unflatten(-1, (self.num_key_heads, self.key_head_dim))
-        v = v.unflatten(-1, (self.num_value_heads, self.value_head_dim))
+        value_group_dim = self.num_local_value_heads // self.num_local_key_heads * self.value_head_dim
+
+        # (N, S, G, K_h), (N, S, G, K_h), (N, S, G, R x V_h)
+        q, k, v = qkv.split([self.key_head_dim, self.key_head_dim, value_group_dim], dim=-1)
+
+        # (N, S, G, R x V_h) -> (N, S, H_v, V_h)
+        v = v.reshape(*v.shape[:-2], self.num_local_value_heads, self.value_head_dim)
 
         # (N, S, HV)
         beta = self.in_proj_b(x).sigmoid()
@@ -215,9 +254,9 @@ class GatedDeltaNet(Module):
         )
 
         # (N, S, V) -> (N, S, HV, D_v)
-        z = self.in_proj_z(x).unflatten(-1, (self.num_value_heads, self.value_head_dim))
+        z = self.in_proj_z(x).unflatten(-1, (self.num_local_value_heads, self.value_head_dim))
 
-        o = self.norm(o, z)
+        o = call_with_tp_summed_gradients(self.norm, self.tp_gang, o, z)
 
         # (N, S, HV, D_v) -> (N, S, M)
         output = self.output_proj(o.flatten(-2, -1))
@@ -256,8 +295,12 @@ class GatedDeltaNet(Module):
         return offsets.clone()
 
     @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        return [(self.A_log, 0), (self.dt_bias, 0)]
+
+    @override
     def extra_repr(self) -> str:
-        return (
+        s = (
             f"num_key_heads={self.num_key_heads}, "
             f"num_value_heads={self.num_value_heads}, "
             f"key_head_dim={self.key_head_dim}, "
@@ -265,14 +308,20 @@ class GatedDeltaNet(Module):
             f"backend={self.backend}"
         )
 
+        if self.tp_gang.size > 1:
+            s = f"{s}, tp_rank={self.tp_gang.rank}, tp_size={self.tp_gang.size}"
+
+        return s
+
 
 @final
-class CausalDepthwiseConv1d(Module):
+class CausalDepthwiseConv1d(Module, Sharded):
     """A bias-free depthwise causal convolution whose receptive field stops
     at document starts.
 
     The weight keeps the :class:`torch.nn.Conv1d` shape ``[C, 1, W]`` of the
-    released checkpoints.
+    released checkpoints. Under tensor parallelism ``C`` is the rank's
+    channels (a contiguous block of the unsharded ones).
     """
 
     def __init__(
@@ -322,6 +371,10 @@ class CausalDepthwiseConv1d(Module):
             cu_seqlens=cu_seqlens,
             backend=self.backend,
         )
+
+    @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        return [(self.weight, 0)]
 
     @override
     def extra_repr(self) -> str:

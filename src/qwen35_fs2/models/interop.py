@@ -6,6 +6,9 @@ import re
 from collections.abc import Mapping
 from typing import Final
 
+import torch
+from torch import Tensor
+
 from fairseq2.error import StateDictError
 from fairseq2.models.utils.checkpoint import (
     convert_state_dict,
@@ -67,11 +70,20 @@ def convert_qwen35_state_dict(
     """Converts a Hugging Face Qwen3.5 state dict to fairseq2 keys.
 
     Native fairseq2 checkpoints (detected by the absence of the embedding's
-    Hugging Face key) pass through unchanged, so calling this on every shard
-    of a fairseq2 checkpoint is safe. The vision tower and the MTP head are
-    skipped; any other unknown key is an error.
+    Hugging Face key) pass through unchanged, except for the duplicate
+    ``final_proj.weight`` of tied models, so calling this on every shard of a
+    fairseq2 checkpoint is safe. The vision tower and the MTP head are
+    skipped; any other unknown key is an error. Besides renaming, the rows of
+    the Gated DeltaNet ``in_proj_qkv`` and ``conv1d`` weights are grouped by
+    key head (:func:`group_qkv_rows`), a permutation.
     """
     if not is_hg_state_dict(state_dict):
+        if config.tied_embeddings and "final_proj.weight" in state_dict:
+            # fairseq2 saves tied weights under both keys. Only the
+            # embedding's key is a parameter name, and so only it reshards
+            # across tensor parallel sizes; the model ties the other.
+            return {k: v for k, v in state_dict.items() if k != "final_proj.weight"}
+
         return state_dict
 
     text_state_dict = strip_vlm_prefix(state_dict)
@@ -95,10 +107,94 @@ def convert_qwen35_state_dict(
 
     converted = convert_state_dict(text_state_dict, _HG_KEY_MAP)
 
+    for key, value in converted.items():
+        if _GROUPED_QKV_KEY.match(key):
+            converted[key] = group_qkv_rows(key, value, config)
+
     if config.tied_embeddings and "decoder_frontend.embed.weight" in converted:
         converted["final_proj.weight"] = converted["decoder_frontend.embed.weight"]
 
     return converted
+
+
+# The Gated DeltaNet tensors whose rows fairseq2 groups by key head.
+_GROUPED_QKV_KEY: Final = re.compile(
+    r"^decoder\.layers\.[0-9]+\.linear_attn\.(in_proj_qkv|conv1d)\.weight$"
+)
+
+
+def qkv_row_segments(config: Qwen35Config) -> list[tuple[int, int]]:
+    """Returns, in the order of the fairseq2 rows of a Gated DeltaNet
+    ``in_proj_qkv`` (and channels of its ``conv1d``), the ``(start, length)``
+    row ranges of the Hugging Face tensor they are taken from.
+
+    Hugging Face stores ``[q | k | v]``, each over all heads; fairseq2 stores
+    ``[q_g | k_g | v_g]`` for each key head ``g`` and its value heads, so that
+    tensor parallelism can split the rows in contiguous blocks (see
+    :class:`~qwen35_fs2.models.gated_deltanet.GatedDeltaNet`).
+    """
+    num_key_heads = config.num_linear_key_heads
+
+    key_head_dim = config.linear_key_head_dim
+
+    # The value rows of one key head's group.
+    value_group_dim = config.num_linear_value_heads // num_key_heads * config.linear_value_head_dim
+
+    key_dim = num_key_heads * key_head_dim
+
+    segments = []
+
+    for group_idx in range(num_key_heads):
+        segments.append((group_idx * key_head_dim, key_head_dim))
+        segments.append((key_dim + group_idx * key_head_dim, key_head_dim))
+        segments.append((2 * key_dim + group_idx * value_group_dim, value_group_dim))
+
+    return segments
+
+
+def group_qkv_rows(key: str, value: object, config: Qwen35Config) -> Tensor:
+    """Permutes the rows of a Hugging Face ``in_proj_qkv`` or ``conv1d``
+    weight into the fairseq2 order of :func:`qkv_row_segments`."""
+    segments = qkv_row_segments(config)
+
+    weight = _check_qkv_rows(key, value, segments)
+
+    return torch.cat([weight.narrow(0, start, length) for start, length in segments])
+
+
+def ungroup_qkv_rows(key: str, value: object, config: Qwen35Config) -> Tensor:
+    """Inverts :func:`group_qkv_rows`."""
+    segments = qkv_row_segments(config)
+
+    weight = _check_qkv_rows(key, value, segments)
+
+    # (Hugging Face start, fairseq2 start, length) of every segment.
+    placed = []
+
+    offset = 0
+
+    for start, length in segments:
+        placed.append((start, offset, length))
+
+        offset += length
+
+    placed.sort()
+
+    return torch.cat([weight.narrow(0, offset, length) for _, offset, length in placed])
+
+
+def _check_qkv_rows(key: str, value: object, segments: list[tuple[int, int]]) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise StateDictError(f"`{key}` must be a tensor, but is of type `{type(value).__name__}` instead.")
+
+    num_rows = sum(length for _, length in segments)
+
+    if value.ndim < 1 or value.size(0) != num_rows:
+        raise StateDictError(
+            f"`{key}` must have {num_rows} rows (2 × key dim + value dim), but has a shape of {tuple(value.shape)} instead."
+        )
+
+    return value
 
 
 def strip_vlm_prefix(state_dict: Mapping[str, object]) -> dict[str, object]:
@@ -143,9 +239,11 @@ def convert_to_hg_state_dict(
     text-only layout (``model.*``, ``lm_head.*``); the inverse of
     :func:`convert_qwen35_state_dict`.
 
-    Only keys are renamed: norm weights are stored zero-centred on both sides.
-    With tied embeddings ``lm_head.weight`` is left out, as Hugging Face saves
-    it. Any key outside the table is an error.
+    Keys are renamed and the Gated DeltaNet ``in_proj_qkv``/``conv1d`` rows
+    put back in Hugging Face order (:func:`ungroup_qkv_rows`); no value
+    changes: norm weights are stored zero-centred on both sides. With tied
+    embeddings ``lm_head.weight`` is left out, as Hugging Face saves it. Any
+    key outside the table is an error.
     """
     unknown_keys = [
         key
@@ -158,7 +256,12 @@ def convert_to_hg_state_dict(
             f"The fairseq2 state dict has keys that have no Hugging Face Qwen3.5 counterpart: {', '.join(sorted(unknown_keys))}"
         )
 
-    converted = convert_state_dict(dict(state_dict), _HG_REVERSE_KEY_MAP)
+    state_dict = {
+        key: ungroup_qkv_rows(key, value, config) if _GROUPED_QKV_KEY.match(key) else value
+        for key, value in state_dict.items()
+    }
+
+    converted = convert_state_dict(state_dict, _HG_REVERSE_KEY_MAP)
 
     if config.tied_embeddings:
         converted.pop("lm_head.weight", None)

@@ -20,6 +20,10 @@ from fairseq2.error import NotSupportedError
 from fairseq2.gang import Gangs, get_current_gangs
 from fairseq2.models.transformer import FeedForwardNetwork
 from fairseq2.nn import BatchLayout
+from fairseq2.nn.sharded import Sharded
+from fairseq2.ops.tensor_parallel import reduce, reduce_on_backward
+
+from qwen35_fs2.models.tp import check_tp_divisible, sum_gradient_over_tp
 
 ExpertDispatch = Literal["auto", "grouped_mm", "batched", "loop"]
 """
@@ -129,7 +133,7 @@ class TopKRouter(Module):
 
 
 @final
-class RoutedExperts(Module):
+class RoutedExperts(Module, Sharded):
     """``E`` SwiGLU experts whose weights are stacked along a leading expert
     dimension, in the layout of the released checkpoints:
 
@@ -139,6 +143,10 @@ class RoutedExperts(Module):
 
     FSDP2 shards parameters along dimension 0, so each rank holds whole
     experts. :meth:`forward` runs each expert only on the tokens routed to it.
+
+    Under tensor parallelism each rank holds ``E / tp_size`` consecutive
+    experts, from :attr:`first_local_expert` on (the parameters then have
+    :attr:`num_local_experts` rows), and runs only those.
     """
 
     def __init__(
@@ -149,6 +157,7 @@ class RoutedExperts(Module):
         *,
         dispatch: ExpertDispatch = "auto",
         init_fn: ParameterInitializer | None = None,
+        gangs: Gangs | None = None,
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
@@ -159,18 +168,27 @@ class RoutedExperts(Module):
                 f"`dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is '{dispatch}' instead."
             )
 
+        if gangs is None:
+            gangs = get_current_gangs(device)
+
+        check_tp_divisible("num_experts", num_experts, gangs.tp)
+
         self.num_experts = num_experts
         self.model_dim = model_dim
         self.inner_dim = inner_dim
         self.dispatch = dispatch
         self.init_fn = init_fn
 
+        self.num_local_experts = num_experts // gangs.tp.size
+
+        self.first_local_expert = gangs.tp.rank * self.num_local_experts
+
         self.gate_inner_proj = Parameter(
-            torch.empty((num_experts, 2 * inner_dim, model_dim), device=device, dtype=dtype)
+            torch.empty((self.num_local_experts, 2 * inner_dim, model_dim), device=device, dtype=dtype)
         )
 
         self.output_proj = Parameter(
-            torch.empty((num_experts, model_dim, inner_dim), device=device, dtype=dtype)
+            torch.empty((self.num_local_experts, model_dim, inner_dim), device=device, dtype=dtype)
         )
 
         self.reset_parameters()
@@ -188,8 +206,8 @@ class RoutedExperts(Module):
         :param seqs: The tokens sorted by expert: the first
             ``tokens_per_expert[0]`` rows go to expert 0, and so on.
             *Shape:* :math:`(T_r,M)`.
-        :param tokens_per_expert: *Shape:* :math:`(E,)`, summing to
-            :math:`T_r`.
+        :param tokens_per_expert: The tokens of each of the rank's experts.
+            *Shape:* :math:`(E_l,)`, summing to :math:`T_r`.
 
         :returns: *Shape:* Same as ``seqs``.
         """
@@ -289,13 +307,22 @@ class RoutedExperts(Module):
         return torch._grouped_mm(F.silu(gate) * inner, output_proj, offs=offsets)
 
     @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        return [(self.gate_inner_proj, 0), (self.output_proj, 0)]
+
+    @override
     def extra_repr(self) -> str:
-        return (
+        s = (
             f"num_experts={self.num_experts}, "
             f"model_dim={self.model_dim}, "
             f"inner_dim={self.inner_dim}, "
             f"dispatch={self.dispatch}"
         )
+
+        if self.num_local_experts != self.num_experts:
+            s = f"{s}, num_local_experts={self.num_local_experts}, first_local_expert={self.first_local_expert}"
+
+        return s
 
 
 class _GatherRows(torch.autograd.Function):
@@ -587,6 +614,12 @@ class Qwen35MoeBlock(FeedForwardNetwork):
     Differences from fairseq2's Llama 4 ``MoE``: softmax (not sigmoid)
     routing with renormalised top-k weights applied to the expert outputs
     (not the inputs), sparse dispatch, and a sigmoid-gated shared expert.
+
+    Under tensor parallelism the router and the shared expert gate are
+    replicated, the shared expert is column/row sharded, and each rank runs
+    its :class:`RoutedExperts` shard on the tokens routed to it; the ranks'
+    shares of the routed output are summed. Every rank then records the same
+    statistics.
     """
 
     def __init__(
@@ -609,10 +642,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         if gangs is None:
             gangs = get_current_gangs(device)
 
-        if gangs.tp.size > 1:
-            raise NotSupportedError(
-                "`Qwen35MoeBlock` does not support tensor parallelism yet."
-            )
+        self.tp_gang = gangs.tp
 
         self.router = router
         self.experts = experts
@@ -652,19 +682,30 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         tokens_per_expert = torch.bincount(slot_experts, minlength=self.experts.num_experts)
 
-        # (T, M) -> (T x K, M), sorted by expert
-        sorted_seqs = _GatherRows.apply(x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
+        # Under tensor parallelism each rank computes its experts' share of
+        # `routed`, so its gradients of `x` and of the routing weights are
+        # shares too, summed over the ranks. The router runs on every rank
+        # alike.
+        expert_x = reduce_on_backward(x, self.tp_gang) if self.tp_gang.size > 1 else x
 
-        expert_outputs = self.experts(sorted_seqs, tokens_per_expert)
+        # (T, M) -> (T x K, M), sorted by expert
+        sorted_seqs = _GatherRows.apply(expert_x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
+
+        expert_outputs = self._run_local_experts(sorted_seqs, tokens_per_expert)
 
         # Back to (token, slot) order.
         expert_outputs = _GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)  # type: ignore[no-untyped-call]
+
+        top_weights = sum_gradient_over_tp(top_weights, self.tp_gang)
 
         # (T, 1, K) @ (T, K, M) -> (T, M)
         routed = torch.bmm(
             top_weights.to(expert_outputs.dtype).unsqueeze(1),
             expert_outputs.view(num_tokens, top_k, -1),
         ).squeeze(1)
+
+        if self.tp_gang.size > 1:
+            routed = reduce(routed, self.tp_gang)
 
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
@@ -677,6 +718,28 @@ class Qwen35MoeBlock(FeedForwardNetwork):
             self._statistics = statistics
 
         return (routed + shared).view(seqs.shape)
+
+    def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """Runs the rank's experts on their rows of ``sorted_seqs``; the rows
+        of the other ranks' experts are zero."""
+        experts = self.experts
+
+        if experts.num_local_experts == experts.num_experts:
+            output: Tensor = experts(sorted_seqs, tokens_per_expert)
+
+            return output
+
+        group_sizes = tokens_per_expert.tolist()
+
+        first, last = experts.first_local_expert, experts.first_local_expert + experts.num_local_experts
+
+        start = sum(group_sizes[:first])
+        end = start + sum(group_sizes[first:last])
+
+        local_output: Tensor = experts(sorted_seqs[start:end], tokens_per_expert[first:last])
+
+        # (T_l, M) -> (T x K, M)
+        return F.pad(local_output, (0, 0, start, sorted_seqs.size(0) - end))
 
     def set_batch_layout(self, seqs_layout: BatchLayout) -> None:
         """Tells the block the layout of the batch its next forward pass

@@ -65,10 +65,11 @@ def convert_qwen35_moe_state_dict(
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); both become the fused
     parameters of :class:`~qwen35_fs2.models.moe.RoutedExperts`. Missing,
     unknown or mis-shaped expert tensors raise a :class:`StateDictError`
-    naming them. Native fairseq2 checkpoints pass through unchanged.
+    naming them. Native fairseq2 checkpoints pass through as in
+    :func:`~qwen35_fs2.models.interop.convert_qwen35_state_dict`.
     """
     if not is_hg_state_dict(state_dict):
-        return state_dict
+        return convert_qwen35_state_dict(state_dict, config)
 
     if is_qwen3_next_state_dict(state_dict):
         state_dict = unpack_qwen3_next_projections(state_dict, config)

@@ -76,11 +76,26 @@ class TestConvertQwen35StateDict:
         assert untied["final_proj.weight"] is state_dict["lm_head.weight"]
 
     def test_passes_native_checkpoints_through(self) -> None:
+        config = tiny_qwen35_config()
+
+        config.tied_embeddings = False
+
+        model = create_qwen35_model(config)
+
+        state_dict = dict(model.state_dict())
+
+        assert convert_qwen35_state_dict(state_dict, config) is state_dict
+
+    def test_drops_the_duplicate_output_weights_of_tied_native_checkpoints(self) -> None:
         model = create_qwen35_model(tiny_qwen35_config())
 
         state_dict = dict(model.state_dict())
 
-        assert convert_qwen35_state_dict(state_dict, tiny_qwen35_config()) is state_dict
+        converted = convert_qwen35_state_dict(state_dict, tiny_qwen35_config())
+
+        assert converted.keys() == state_dict.keys() - {"final_proj.weight"}
+
+        assert all(converted[key] is state_dict[key] for key in converted)
 
     def test_raises_error_when_a_key_is_in_both_layouts(self) -> None:
         state_dict = _tensors(["model.embed_tokens.weight", "model.language_model.embed_tokens.weight"])

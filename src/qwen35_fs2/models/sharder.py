@@ -1,0 +1,57 @@
+"""The tensor-parallel split of Qwen3.5 models as a fairseq2 shard-spec table.
+
+The Qwen3.5 modules shard themselves when ``gangs.tp.size > 1`` and report
+their split through :meth:`~fairseq2.nn.Sharded.get_shard_dims`, which the
+checkpoint loaders use to reshard. This table states the same split in the
+format of fairseq2's (deprecated) ``ModelSharder``, for tools written against
+it; it is not passed to ``register_model_family``.
+"""
+
+from __future__ import annotations
+
+from fairseq2.sharder import ShardSpec
+
+from qwen35_fs2.models.config import Qwen35Config
+from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+
+_LAYER = r"^decoder\.layers\.[0-9]+\."
+
+
+def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
+    """Returns the modules that tensor parallelism shards, as regular
+    expressions over module paths, with the dimension of their parameters
+    that is split.
+
+    Column-sharded projections split dimension 0 of their weight, row-sharded
+    ones dimension 1; ``region_boundary`` marks those whose output (column)
+    or input (row) stays sharded. ``linear_attn`` itself splits its
+    ``A_log`` and ``dt_bias`` by value head and ``ffn.experts`` its stacked
+    weights by expert. ``k_proj`` and ``v_proj`` are stored split by rows
+    even where their heads are replicated for the computation (fewer
+    key/value heads than ranks). The per-head norms are replicated.
+    """
+    column = ShardSpec(dim=0, region_boundary=True)
+
+    row = ShardSpec(dim=1, region_boundary=True)
+
+    specs = {
+        # fmt: off
+        r"^decoder_frontend\.embed$":                                   ShardSpec(dim=0),
+        _LAYER + r"self_attn\.(q_proj|k_proj|v_proj)$":                 column,
+        _LAYER + r"self_attn\.output_proj$":                            row,
+        _LAYER + r"linear_attn$":                                       ShardSpec(dim=0),
+        _LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)$": column,
+        _LAYER + r"linear_attn\.conv1d$":                               ShardSpec(dim=0),
+        _LAYER + r"linear_attn\.output_proj$":                          row,
+        _LAYER + r"ffn\.(gate_proj|inner_proj)$":                       column,
+        _LAYER + r"ffn\.output_proj$":                                  row,
+        r"^final_proj$":                                                ShardSpec(dim=0),
+        # fmt: on
+    }
+
+    if isinstance(config, Qwen35MoeConfig):
+        specs[_LAYER + r"ffn\.experts$"] = ShardSpec(dim=0)
+        specs[_LAYER + r"ffn\.shared_expert\.(gate_proj|inner_proj)$"] = column
+        specs[_LAYER + r"ffn\.shared_expert\.output_proj$"] = row
+
+    return specs
