@@ -13,7 +13,6 @@ from fairseq2.models.hg import HuggingFaceConverter
 from fairseq2.models.transformer_lm import (
     TransformerLM,
     apply_ac_to_transformer_lm,
-    apply_fsdp_to_transformer_lm,
     compile_transformer_lm,
 )
 from fairseq2.runtime.dependency import DependencyContainer
@@ -28,6 +27,7 @@ from qwen35_fs2.export_cli import (
     install_hg_export_failure_filter,
 )
 from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.models.hf_export import _Qwen35HuggingFaceConverter
 from qwen35_fs2.models.interop import convert_qwen35_state_dict
 from qwen35_fs2.models.moe_config import (
@@ -54,14 +54,15 @@ def register_qwen35(container: DependencyContainer) -> None:
         factory=create_qwen35_model,
         state_dict_converter=convert_qwen35_state_dict,
         compiler=compile_transformer_lm,
-        fsdp_applier=apply_fsdp_to_transformer_lm,
+        fsdp_applier=apply_fsdp_to_qwen35,
         layerwise_ac_applier=apply_ac_to_transformer_lm,
     )
 
     register_qwen35_configs(container)
 
     # FSDP2 shards the stacked expert weights along their first dimension, so
-    # each rank holds whole experts; the dense appliers need nothing more.
+    # each rank holds whole experts; the dense appliers need nothing more
+    # (see `qwen35_fs2.models.fsdp`).
     register_model_family(
         container,
         QWEN35_MOE_FAMILY,
@@ -70,7 +71,7 @@ def register_qwen35(container: DependencyContainer) -> None:
         factory=create_qwen35_moe_model,
         state_dict_converter=convert_qwen35_moe_state_dict,
         compiler=compile_transformer_lm,
-        fsdp_applier=apply_fsdp_to_transformer_lm,
+        fsdp_applier=apply_fsdp_to_qwen35,
         layerwise_ac_applier=apply_ac_to_transformer_lm,
     )
 

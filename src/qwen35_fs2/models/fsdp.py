@@ -1,0 +1,133 @@
+"""How Qwen3.5 models are split under FSDP2 (the families' FSDP applier).
+
+FSDP2 shards every parameter of a unit along its first dimension across the
+sharded data-parallel ranks (``gangs.sdp``) and gathers a unit's parameters
+only around its forward and backward passes. For Qwen3.5 that means:
+
+- ``layer`` (the default): one unit per decoder layer, Gated DeltaNet and
+  full-attention layers alike; the last layer is not resharded after its
+  forward pass, as the backward pass starts with it. The root unit holds what
+  is left: the embedding, the (possibly tied) output projection and the final
+  norm.
+- ``stack``: the decoder (all layers and the final norm) is one unit, the
+  root holds the embedding and the output projection.
+- ``model``: the whole model is one unit, not resharded after its forward
+  pass.
+
+MoE experts are stacked ``(E, 2I, M)`` and ``(E, M, I)`` tensors, so FSDP2's
+first-dimension sharding gives each rank whole experts (``E / sdp_size`` of
+them, the last ranks fewer if ``E`` is not a multiple). Under tensor
+parallelism FSDP2 shards each rank's tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+from typing import Final, cast
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn import Module
+
+from fairseq2.data_type import DataType
+from fairseq2.gang import Gangs
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.models.utils.fsdp import apply_layerwise_fsdp
+from fairseq2.nn.fsdp import FSDPWrapper
+
+QWEN35_FSDP_GRANULARITIES: Final = ("layer", "stack", "model")
+
+
+def apply_fsdp_to_qwen35(
+    model: TransformerLM, granularity: str, wrapper: FSDPWrapper
+) -> Module:
+    """Wraps the FSDP units of ``model`` at ``granularity`` (see the module
+    docstring) with ``wrapper``; the caller wraps the root module last.
+
+    A model that is already sharded (by :func:`shard_qwen35_with_fsdp2`, when
+    its checkpoint was loaded straight into the shards) is returned as is,
+    so that fairseq2's recipes wrap it no further.
+    """
+    if isinstance(model, FSDPModule):
+        return model
+
+    if granularity == "layer":
+        apply_layerwise_fsdp(model.decoder.layers, wrapper)
+
+        return model
+
+    if granularity == "stack":
+        model.register_module("decoder", wrapper(model.decoder))
+
+        return model
+
+    if granularity == "model":
+        return wrapper(model, reshard_after_forward=False)
+
+    raise ValueError(
+        f"`granularity` must be one of {', '.join(QWEN35_FSDP_GRANULARITIES)}, but is '{granularity}' instead."
+    )
+
+
+def shard_qwen35_with_fsdp2(
+    model: TransformerLM,
+    gangs: Gangs,
+    *,
+    granularity: str = "layer",
+    mixed_precision_dtype: DataType | None = None,
+    fp32_reduce: bool = False,
+    reshard_after_forward: bool = True,
+) -> FSDPModule:
+    """Shards ``model`` with FSDP2 as fairseq2's ``to_fsdp2`` does (same
+    device mesh over ``gangs.sdp``/``gangs.rdp``, same mixed precision
+    policy, units of :func:`apply_fsdp_to_qwen35`), but leaves the parameters
+    where they are.
+
+    fairseq2 materializes each unit in full before sharding it; here a model
+    on the meta device stays there, so that ``model.to_empty(...)`` then
+    allocates only this rank's shards (see
+    :mod:`qwen35_fs2.models.sharded_loading`).
+    """
+    if gangs.sdp.size == 1:
+        raise ValueError(
+            "`gangs.sdp.size` must be greater than 1 to shard with FSDP2, but is 1 instead."
+        )
+
+    device_type = gangs.dp.device.type
+
+    if gangs.rdp.size > 1:
+        mesh = DeviceMesh.from_group(
+            [gangs.rdp.as_process_group(), gangs.sdp.as_process_group()],
+            device_type,
+            torch.arange(gangs.dp.size).view(gangs.rdp.size, gangs.sdp.size),
+            mesh_dim_names=("inter", "intra"),
+        )
+    else:
+        mesh = DeviceMesh.from_group(
+            gangs.sdp.as_process_group(), device_type, None, mesh_dim_names=("intra",)
+        )
+
+    if mixed_precision_dtype is None or mixed_precision_dtype == torch.float32:
+        mp_policy = MixedPrecisionPolicy()
+    else:
+        reduce_dtype = torch.float32 if fp32_reduce else mixed_precision_dtype
+
+        mp_policy = MixedPrecisionPolicy(mixed_precision_dtype, reduce_dtype)
+
+    default_reshard_after_forward = reshard_after_forward
+
+    def wrap(module: Module, reshard_after_forward: bool | None = None) -> Module:
+        if reshard_after_forward is None:
+            reshard_after_forward = default_reshard_after_forward
+
+        # `fully_shard` turns `module` into an `FSDPModule` in place.
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+
+        return module
+
+    sharded = apply_fsdp_to_qwen35(model, granularity, wrap)
+
+    if not isinstance(sharded, FSDPModule):
+        sharded = wrap(sharded, reshard_after_forward=False)
+
+    return cast(FSDPModule, sharded)

@@ -1,0 +1,209 @@
+"""Loads tiny Qwen3.5 models straight into FSDP2 shards over 2 ranks and
+compares them with the unsharded model; run by ``test_fsdp2.py`` under
+``torchrun --nproc_per_node=2``.
+
+For each case, rank 0 saves a random reference model as a 2-file Hugging
+Face checkpoint; every rank creates the model on the meta device, shards it
+with the family's FSDP applier, allocates its shards and reads them from the
+checkpoint. Then:
+
+- every decoder layer is an FSDP unit holding about half of its parameters
+  on each rank (experts split by expert), the last one not resharded after
+  its forward pass, and the embedding and the final norm are in the root;
+- the full state dict gathered from the shards is the reference's, bit for
+  bit;
+- each rank runs half of a batch: the gathered gradients are those of the
+  reference on the whole batch.
+
+Writes ``{case: {"layer_fractions": [...], "max_grad_diff": ...}}`` to
+``--output-dir/result.json`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from sharding_testing import CPU, create_reference_model, save_hf_checkpoint
+from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+
+from fairseq2.gang import Gangs, ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn import BatchLayout
+
+from qwen35_fs2.models import collect_moe_statistics
+from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+from qwen35_fs2.models.sharded_loading import create_sharded_qwen35_model, load_hf_checkpoint_shards
+
+TOLERANCE = 1e-5
+
+
+def _cases() -> dict[str, tuple[Qwen35Config, str]]:
+    return {
+        "dense_layer": (tiny_qwen35_config(), "layer"),
+        "moe_layer": (tiny_qwen35_moe_config(), "layer"),
+        "dense_stack": (tiny_qwen35_config(), "stack"),
+        "dense_model": (tiny_qwen35_config(), "model"),
+    }
+
+
+def _loss(model: Module, seqs: Tensor, seq_lens: list[int]) -> Tensor:
+    inputs, targets = seqs[:, :-1], seqs[:, 1:]
+
+    target_lens = [n - 1 for n in seq_lens]
+
+    target_mask = torch.arange(inputs.size(1)) < torch.tensor(target_lens).unsqueeze(1)
+
+    loss: Tensor = model(inputs, BatchLayout(inputs.shape, target_lens), targets, target_mask=target_mask, reduction="sum")
+
+    statistics = collect_moe_statistics(model)
+
+    if statistics is not None:
+        loss = loss + 0.5 * statistics.load_balancing_loss
+
+    return loss
+
+
+def _shares(vocab_size: int) -> list[tuple[Tensor, list[int]]]:
+    generator = torch.Generator().manual_seed(3)
+
+    shares = []
+
+    for seq_lens in ([11, 7], [9, 11]):
+        shares.append((torch.randint(1, vocab_size, (2, 11), generator=generator), seq_lens))
+
+    return shares
+
+
+def _layer_fractions(model: TransformerLM) -> list[float]:
+    """The fraction of each decoder layer's parameters that this rank holds."""
+    fractions = []
+
+    for layer in model.decoder.layers:
+        params = list(layer.parameters())
+
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
+
+        fractions.append(local / sum(p.numel() for p in params))
+
+    return fractions
+
+
+def _check_units(model: TransformerLM, granularity: str) -> None:
+    assert isinstance(model, FSDPModule)
+
+    if granularity == "layer":
+        layers = list(model.decoder.layers)
+
+        assert all(isinstance(layer, FSDPModule) for layer in layers)
+
+        # Resharding after the forward pass is recorded as the mesh to reshard
+        # to; the last layer has none.
+        reshards = [layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for layer in layers]  # type: ignore[union-attr]
+
+        assert reshards == [True] * (len(layers) - 1) + [False], reshards
+
+    if granularity == "stack":
+        assert isinstance(model.decoder, FSDPModule)
+
+    root_params = model._get_fsdp_state()._fsdp_param_group.fsdp_params  # type: ignore[union-attr]
+
+    root_modules = {fsdp_param._module_info.module for fsdp_param in root_params}
+
+    assert model.decoder_frontend.embed in root_modules
+
+    if granularity != "stack":
+        assert model.decoder.layer_norm in root_modules
+
+
+def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs, output_dir: Path) -> dict[str, object]:
+    rank = gangs.root.rank
+
+    reference = create_reference_model(config).train()
+
+    path = output_dir / name
+
+    if rank == 0:
+        save_hf_checkpoint(reference, config, path)
+
+    gangs.root.barrier()
+
+    model = create_sharded_qwen35_model(config, gangs, fsdp_granularity=granularity)
+
+    load_hf_checkpoint_shards(model, path, config, gangs)
+
+    model.train()
+
+    _check_units(model, granularity)
+
+    # The full state dict, gathered from the shards.
+    state_dict = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+    expected_state_dict = reference.state_dict()
+
+    assert state_dict.keys() == expected_state_dict.keys()
+
+    for key, value in expected_state_dict.items():
+        assert torch.equal(state_dict[key], value), key
+
+    # Gradients: each rank runs its share; FSDP averages, the reference sums.
+    shares = _shares(config.vocab_size)
+
+    for seqs, seq_lens in shares:
+        _loss(reference, seqs, seq_lens).backward()
+
+    seqs, seq_lens = shares[rank]
+
+    (_loss(model, seqs, seq_lens) * gangs.dp.size).backward()
+
+    max_grad_diff = 0.0
+
+    expected_params = dict(reference.named_parameters())
+
+    for param_name, param in model.named_parameters():
+        expected = expected_params[param_name]
+
+        assert param.grad is not None and expected.grad is not None, param_name
+
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+
+        scale = max(1.0, expected.grad.abs().max().item())
+
+        diff = (grad - expected.grad).abs().max().item() / scale
+
+        assert diff <= TOLERANCE, f"{param_name}: {diff}"
+
+        max_grad_diff = max(max_grad_diff, diff)
+
+    return {"layer_fractions": _layer_fractions(model), "max_grad_diff": max_grad_diff}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+
+    parser.add_argument("--output-dir", type=Path, required=True)
+
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+
+    root_gang = ProcessGroupGang.create_default_process_group(CPU)
+
+    gangs = create_fsdp_gangs(create_parallel_gangs(root_gang))
+
+    results = {name: _check_case(name, config, granularity, gangs, args.output_dir) for name, (config, granularity) in _cases().items()}
+
+    if root_gang.rank == 0:
+        (args.output_dir / "result.json").write_text(json.dumps(results))
+
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
