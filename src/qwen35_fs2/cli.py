@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import sys
-from argparse import REMAINDER, ArgumentParser, Namespace
+from argparse import ArgumentParser, Namespace
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import import_module
@@ -97,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
 
+    # The export command parses its own arguments, `--help` included.
+    if list(argv[:2]) == [LM_GROUP, EXPORT_HF_COMMAND]:
+        return _run_export_hf(argv[2:])
+
     parser = ArgumentParser(
         prog="fairseq2", description="Qwen3.5 recipes for fairseq2."
     )
@@ -110,18 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for command in RECIPE_COMMANDS:
         _add_recipe_arguments(commands.add_parser(command.name, help=command.help))
 
-    export_parser = commands.add_parser(
-        EXPORT_HF_COMMAND,
-        help="export a checkpoint to the Hugging Face format",
-        add_help=False,
-    )
-
-    export_parser.add_argument("export_args", nargs=REMAINDER)
+    # Listed for `--help`; dispatched above.
+    commands.add_parser(EXPORT_HF_COMMAND, help="export a checkpoint to the Hugging Face format")
 
     args = parser.parse_args(argv)
-
-    if args.command == EXPORT_HF_COMMAND:
-        return _run_export_hf(args.export_args)
 
     command = next(c for c in RECIPE_COMMANDS if c.name == args.command)
 

@@ -144,7 +144,10 @@ class TestMain:
 
         assert cli.main(["lm", "export_hf", "ckpt", "out", "--force"]) == 5
 
-        assert received == [["ckpt", "out", "--force"]]
+        # Its own help too.
+        assert cli.main(["lm", "export_hf", "--help"]) == 5
+
+        assert received == [["ckpt", "out", "--force"], ["--help"]]
 
     def test_export_hf_reports_a_missing_export_command(self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
         # A `None` entry makes the import fail as if the module were missing.
