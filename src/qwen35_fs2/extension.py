@@ -5,16 +5,11 @@ from __future__ import annotations
 
 from fairseq2.composition import (
     register_in_memory_assets,
-    register_model_family,
     register_package_assets,
     register_tokenizer_family,
 )
 from fairseq2.models.hg import HuggingFaceConverter
-from fairseq2.models.transformer_lm import (
-    TransformerLM,
-    apply_ac_to_transformer_lm,
-    compile_transformer_lm,
-)
+from fairseq2.models.transformer_lm import compile_transformer_lm
 from fairseq2.runtime.dependency import DependencyContainer
 
 from qwen35_fs2.models.config import (
@@ -37,6 +32,10 @@ from qwen35_fs2.models.moe_config import (
 )
 from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
 from qwen35_fs2.models.moe_interop import convert_qwen35_moe_state_dict
+from qwen35_fs2.models.sharded_family import (
+    apply_ac_to_qwen35,
+    register_qwen35_model_family,
+)
 from qwen35_fs2.models.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
@@ -46,16 +45,18 @@ from qwen35_fs2.models.tokenizer import (
 
 
 def register_qwen35(container: DependencyContainer) -> None:
-    register_model_family(
+    # fairseq2's family, except that recipes may load Hugging Face
+    # checkpoints straight into each rank's shards (see
+    # `qwen35_fs2.models.sharded_family`).
+    register_qwen35_model_family(
         container,
         QWEN35_FAMILY,
-        kls=TransformerLM,
         config_kls=Qwen35Config,
         factory=create_qwen35_model,
         state_dict_converter=convert_qwen35_state_dict,
         compiler=compile_transformer_lm,
         fsdp_applier=apply_fsdp_to_qwen35,
-        layerwise_ac_applier=apply_ac_to_transformer_lm,
+        layerwise_ac_applier=apply_ac_to_qwen35,
     )
 
     register_qwen35_configs(container)
@@ -63,16 +64,15 @@ def register_qwen35(container: DependencyContainer) -> None:
     # FSDP2 shards the stacked expert weights along their first dimension, so
     # each rank holds whole experts; the dense appliers need nothing more
     # (see `qwen35_fs2.models.fsdp`).
-    register_model_family(
+    register_qwen35_model_family(
         container,
         QWEN35_MOE_FAMILY,
-        kls=TransformerLM,
         config_kls=Qwen35MoeConfig,
         factory=create_qwen35_moe_model,
         state_dict_converter=convert_qwen35_moe_state_dict,
         compiler=compile_transformer_lm,
         fsdp_applier=apply_fsdp_to_qwen35,
-        layerwise_ac_applier=apply_ac_to_transformer_lm,
+        layerwise_ac_applier=apply_ac_to_qwen35,
     )
 
     register_qwen35_moe_configs(container)

@@ -631,6 +631,30 @@ def create_sharded_qwen35_model(
         else:
             model = create_qwen35_model(config)
 
+    allocate_shards(
+        model,
+        gangs,
+        fsdp_granularity=fsdp_granularity,
+        mixed_precision_dtype=mixed_precision_dtype,
+        fp32_reduce=fp32_reduce,
+        reshard_after_forward=reshard_after_forward,
+    )
+
+    return model
+
+
+def allocate_shards(
+    model: TransformerLM,
+    gangs: Gangs,
+    *,
+    fsdp_granularity: str | None = "layer",
+    mixed_precision_dtype: DataType | None = None,
+    fp32_reduce: bool = False,
+    reshard_after_forward: bool = True,
+) -> None:
+    """Shards ``model``, built on the meta device under ``gangs``, with
+    FSDP2 (as :func:`create_sharded_qwen35_model` does) and allocates this
+    rank's shards on ``gangs.root.device``, uninitialized."""
     device = gangs.root.device
 
     if fsdp_granularity is not None and gangs.sdp.size > 1:
@@ -650,5 +674,3 @@ def create_sharded_qwen35_model(
 
     # They are no part of a checkpoint.
     reset_non_persistent_buffers(model)
-
-    return model

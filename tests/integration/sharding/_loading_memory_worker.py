@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from sharding_testing import CPU
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from fairseq2.gang import ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs
@@ -108,9 +109,11 @@ def main() -> None:
     expected = convert_qwen35_state_dict(hg, config)
 
     for name, param in model.named_parameters():
-        assert isinstance(param, DTensor), name
+        value = expected[name]
 
-        assert torch.equal(param.full_tensor(), expected[name].float()), name  # type: ignore[union-attr]
+        assert isinstance(param, DTensor) and isinstance(value, Tensor), name
+
+        assert torch.equal(param.full_tensor(), value.float()), name
 
     if root_gang.rank == 0:
         result = {"peak_bytes": [int(p) for p in peaks], "model_bytes": model_bytes}

@@ -68,9 +68,10 @@ def _create(config: Qwen35Config) -> TransformerLM:
 
 
 def _load(path: Path, config: Qwen35Config, gangs: Gangs) -> TransformerLM:
-    hub = get_qwen35_moe_model_hub() if isinstance(config, Qwen35MoeConfig) else get_qwen35_model_hub()
+    if isinstance(config, Qwen35MoeConfig):
+        return get_qwen35_moe_model_hub().load_custom_model(path, config, gangs=gangs, dtype=torch.float32)
 
-    return hub.load_custom_model(path, config, gangs=gangs, dtype=torch.float32)  # type: ignore[arg-type]
+    return get_qwen35_model_hub().load_custom_model(path, config, gangs=gangs, dtype=torch.float32)
 
 
 def _save_shard(model: Module, path: Path, tp_rank: int) -> None:
@@ -133,7 +134,7 @@ def _run(model: TransformerLM, batches: list[tuple[Tensor, BatchLayout, Tensor, 
         if statistics is not None:
             loss = loss + 0.5 * statistics.load_balancing_loss
 
-        loss.backward()
+        torch.autograd.backward(loss)
 
         total = total + loss.detach()
 

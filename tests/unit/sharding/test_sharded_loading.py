@@ -93,7 +93,7 @@ def _pack_qwen3_next(hg: dict[str, object], config: Qwen35Config) -> dict[str, o
     key_dim = num_groups * config.linear_key_head_dim
 
     for prefix, tensors in parts.items():
-        q, k, v = tensors["qkv"].split([key_dim, key_dim, tensors["z"].size(0)])
+        q, k, v = tensors["qkv"].split_with_sizes([key_dim, key_dim, tensors["z"].size(0)])
 
         def grouped(*xs: Tensor) -> Tensor:
             return torch.cat([x.view(num_groups, -1, x.size(-1)) for x in xs], dim=1).flatten(0, 1)

@@ -12,12 +12,15 @@ from tp_testing import create_on_meta, fake_tp_gangs
 
 from fairseq2.error import StateDictError
 from fairseq2.models.transformer import CausalAttentionBias, create_default_sdpa
+from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 
 from qwen35_fs2.models.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.interop import group_qkv_rows, ungroup_qkv_rows
+from qwen35_fs2.models.moe import Qwen35MoeBlock
 from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
 from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.models.rotary import PartialRotaryEncoder
@@ -117,11 +120,13 @@ class TestQwen35ModelUnderTensorParallelism:
     def test_ties_a_vocabulary_sharded_embedding_to_the_output_projection(self) -> None:
         model = create_on_meta(tiny_qwen35_config(), fake_tp_gangs(2, 1))
 
+        assert isinstance(model, TransformerLM)
+
         final_proj = model.final_proj
 
         assert isinstance(final_proj, TiedVocabShardedProjection)
 
-        assert final_proj.weight is model.decoder_frontend.embed.weight
+        assert final_proj.weight is model.decoder_frontend.embed.weight  # type: ignore[union-attr]
 
         assert final_proj.weight.shape == (512, 64)
         assert final_proj.output_dim == 1024
@@ -129,7 +134,13 @@ class TestQwen35ModelUnderTensorParallelism:
     def test_shards_experts_along_the_expert_dimension(self) -> None:
         model = create_on_meta(tiny_qwen35_moe_config(), fake_tp_gangs(2, 1))
 
-        experts = model.decoder.layers[0].ffn.experts
+        assert isinstance(model, TransformerLM)
+
+        layer = model.decoder.layers[0]
+
+        assert isinstance(layer, Qwen35DecoderLayer) and isinstance(layer.ffn, Qwen35MoeBlock)
+
+        experts = layer.ffn.experts
 
         assert experts.gate_inner_proj.shape == (4, 64, 64)
         assert experts.output_proj.shape == (4, 64, 32)

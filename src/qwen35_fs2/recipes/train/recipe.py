@@ -16,6 +16,10 @@ from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.datasets.pretraining import PretrainingDataset, PretrainingReader
+from qwen35_fs2.models.sharded_family import (
+    enable_sharded_checkpoint_loading,
+    finish_sharded_checkpoint_loading,
+)
 from qwen35_fs2.recipes.common import (
     LMLossComputer,
     LMLossEvalUnit,
@@ -39,11 +43,16 @@ class PretrainRecipe(Recipe):
     def register(self, container: DependencyContainer) -> None:
         register_lm_recipe_extras(container)
 
+        # Hugging Face checkpoints load straight into each rank's shards.
+        enable_sharded_checkpoint_loading(container)
+
     @override
     def setup_model(
         self, context: RecipeContext, model: Module, newly_initialized: bool
     ) -> Module:
         config = context.get_config_as(PretrainConfig)
+
+        model = finish_sharded_checkpoint_loading(context, model)
 
         self._has_moe = has_moe_layers(model)
 
