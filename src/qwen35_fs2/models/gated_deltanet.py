@@ -104,9 +104,6 @@ class GatedDeltaNet(Module, Sharded):
         key_dim = num_key_heads * key_head_dim
         value_dim = num_value_heads * value_head_dim
 
-        self.key_dim = key_dim
-        self.value_dim = value_dim
-
         def make_column_linear(output_dim: int) -> ColumnShardedLinear:
             return ColumnShardedLinear(
                 model_dim,
