@@ -3,7 +3,6 @@ over parquet text shards (FineWeb-Edu), GSM8K files and synthetic corpora."""
 
 from __future__ import annotations
 
-from qwen35_fs2.datasets.gsm8k import GSM8K_ANSWER_REGEX as GSM8K_ANSWER_REGEX
 from qwen35_fs2.datasets.gsm8k import GSM8K_PROMPT_TEMPLATE as GSM8K_PROMPT_TEMPLATE
 from qwen35_fs2.datasets.gsm8k import Gsm8kExample as Gsm8kExample
 from qwen35_fs2.datasets.gsm8k import (

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal, InvalidOperation
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +23,6 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
 from qwen35_fs2.datasets.parquet import ParquetTextError
-
-GSM8K_ANSWER_REGEX: Final = re.compile(r"#### (\-?[0-9\.\,]+)")
-"""The usual pattern of a final answer, as used by verl and oumi."""
 
 GSM8K_PROMPT_TEMPLATE: Final = "Question: {question}\nAnswer:\n"
 """
@@ -44,14 +42,55 @@ class Gsm8kExample:
     """The worked solution, ending with a ``#### <number>`` line."""
 
 
+FINAL_ANSWER_MARKER: Final = "####"
+
+# An optional sign and currency sign, then a number with optional thousands
+# separators and decimals.
+_NUMBER_RE: Final = re.compile(
+    r"(?P<sign>[-\u2212]?)\s*\$?\s*(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+)
+
+
 def extract_gsm8k_answer(text: str) -> str | None:
-    """Returns the final answer of a GSM8K solution (or of a model's
-    completion) without thousands separators, or ``None`` if it has none."""
-    match = GSM8K_ANSWER_REGEX.search(text)
+    """Returns the final number of a GSM8K-style solution (or of a model's
+    completion) in a canonical form, so ``1,234``, ``1234`` and ``1234.00``
+    compare equal.
+
+    The number is the first one after the last ``####`` marker; without a
+    marker, the last number of ``text``. Returns ``None`` if there is none.
+    """
+    marker_pos = text.rfind(FINAL_ANSWER_MARKER)
+
+    if marker_pos >= 0:
+        tail = text[marker_pos + len(FINAL_ANSWER_MARKER) :]
+
+        match = _NUMBER_RE.search(tail)
+    else:
+        match = None
+
+        for match in _NUMBER_RE.finditer(text):
+            pass
+
     if match is None:
         return None
 
-    return match.group(1).replace(",", "")
+    return _canonicalize(match["sign"], match["number"])
+
+
+def _canonicalize(sign: str, number: str) -> str | None:
+    try:
+        value = Decimal(number.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+    if value == 0:
+        return "0"
+
+    if sign:
+        value = -value
+
+    # `normalize` strips trailing zeros; the `f` format avoids exponents.
+    return format(value.normalize(), "f")
 
 
 def gsm8k_split_path(gsm8k_dir: Path, split: str) -> Path:

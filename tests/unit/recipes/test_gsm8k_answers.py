@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwen35_fs2.recipes.gsm8k import extract_final_answer
+from qwen35_fs2.datasets.gsm8k import extract_gsm8k_answer
 
 # The last lines of real `openai/gsm8k` answers.
 _NATALIA = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
@@ -27,21 +27,21 @@ class TestExtractFinalAnswer:
         ],
     )
     def test_extracts_the_number_after_the_final_marker(self, text: str, expected: str) -> None:
-        assert extract_final_answer(text) == expected
+        assert extract_gsm8k_answer(text) == expected
 
     def test_equal_numbers_in_other_notations_extract_equal(self) -> None:
         notations = ["#### 1,234", "#### 1234", "#### 1234.0", "#### $1,234.00"]
 
-        assert {extract_final_answer(t) for t in notations} == {"1234"}
+        assert {extract_gsm8k_answer(t) for t in notations} == {"1234"}
 
     def test_takes_the_last_number_of_a_text_without_marker(self) -> None:
-        assert extract_final_answer("So she has 3 apples and 12 pears, 15 fruits.") == "15"
+        assert extract_gsm8k_answer("So she has 3 apples and 12 pears, 15 fruits.") == "15"
 
-        assert extract_final_answer("The balance is -222 dollars.") == "-222"
+        assert extract_gsm8k_answer("The balance is -222 dollars.") == "-222"
 
     def test_does_not_read_list_commas_as_thousands_separators(self) -> None:
-        assert extract_final_answer("The numbers are 3,4") == "4"
+        assert extract_gsm8k_answer("The numbers are 3,4") == "4"
 
     @pytest.mark.parametrize("text", ["", "no numbers here", "#### ", "#### unknown"])
     def test_returns_none_without_a_number(self, text: str) -> None:
-        assert extract_final_answer(text) is None
+        assert extract_gsm8k_answer(text) is None

@@ -28,7 +28,7 @@ from qwen35_fs2.recipes.generation import (
     open_output_stream,
     write_jsonl,
 )
-from qwen35_fs2.recipes.gsm8k import extract_final_answer
+from qwen35_fs2.datasets.gsm8k import extract_gsm8k_answer
 from qwen35_fs2.recipes.instruction import InstructionDataError, read_instruction_examples
 
 
@@ -53,7 +53,7 @@ class EvalGsm8kRecipe(Recipe):
 
         # A reference without a final answer would count as a wrong answer.
         for example in examples:
-            if extract_final_answer(example["response"]) is None:
+            if extract_gsm8k_answer(example["response"]) is None:
                 raise InstructionDataError(
                     f"The reference answer of example {example['id']} must end with a number (`#### <number>`), but has none."
                 )
@@ -112,9 +112,9 @@ class Gsm8kEvalUnit(GeneratorUnit[SequenceBatch]):
         num_correct = 0
 
         for example, response in zip(examples, responses):
-            answer = extract_final_answer(response)
+            answer = extract_gsm8k_answer(response)
 
-            reference = extract_final_answer(example["response"])
+            reference = extract_gsm8k_answer(example["response"])
 
             correct = answer is not None and answer == reference
 
