@@ -4,15 +4,18 @@ repository.
 ::
 
     fairseq2 lm export_hf CHECKPOINT OUTPUT_DIR [--step N] [--base HF_DIR_OR_CARD | --no-base]
-                          [--dtype {bfloat16,float16,float32}] [--text-only]
-                          [--max-shard-size SIZE] [--force] [--no-rich]
+                          [--tokenizer DIR_OR_CARD] [--dtype {bfloat16,float16,float32}]
+                          [--text-only] [--max-shard-size SIZE] [--force] [--no-rich]
 
 ``CHECKPOINT`` is a fairseq2 training output directory (its latest step, or
 ``--step N``), its ``checkpoints`` directory, a ``step_N`` directory, a Hugging
 Face model directory, or an asset card name. Without ``--base`` the base is
 the model the run started from (``model.path``, or the ``checkpoint`` of the
 ``model.name`` card, in the run's ``config.yaml``), the directory itself for
-a Hugging Face directory, and the card's checkpoint for a card.
+a Hugging Face directory, and the card's checkpoint for a card. An export
+without a base (a model trained from scratch) ships the tokenizer the run
+trained with (or ``--tokenizer``) and generation defaults that stop at its end
+tokens.
 
 This module also takes over fairseq2's training-time export
 (``regime.export_hugging_face: true``), see
@@ -60,6 +63,7 @@ from qwen35_fs2.models.hf_export import (
     write_hf_export,
 )
 from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
 
 _PROG: Final = "fairseq2 lm export_hf"
 
@@ -155,6 +159,12 @@ def _create_parser() -> ArgumentParser:
     )
 
     parser.add_argument(
+        "--tokenizer",
+        metavar="DIR_OR_CARD",
+        help="without a base, the Hugging Face tokenizer to ship with the model (default: the one the run trained with)",
+    )
+
+    parser.add_argument(
         "--dtype",
         choices=list(EXPORT_DTYPES),
         help="the dtype of the tensors (default: the base model's, else the checkpoint's)",
@@ -218,6 +228,10 @@ class _Source:
 
     default_base: Path | None
 
+    default_tokenizer: Path | None = None
+    """The tokenizer directory the run trained with, for exports without a
+    base."""
+
 
 def _export(args: Namespace) -> None:
     source = _resolve_source(args.checkpoint, args.step)
@@ -230,6 +244,18 @@ def _export(args: Namespace) -> None:
         base_path = source.default_base
 
     base = None if base_path is None else HfRepository.open(base_path)
+
+    if base is not None:
+        if args.tokenizer is not None:
+            raise CheckpointError(
+                "`--tokenizer` is for exports without a base model; the base's tokenizer is carried over."
+            )
+
+        tokenizer_dir = None
+    elif args.tokenizer is not None:
+        tokenizer_dir = _resolve_tokenizer_dir(args.tokenizer)
+    else:
+        tokenizer_dir = source.default_tokenizer
 
     check_output_dir(args.out_dir, base=base, force=args.force)
 
@@ -260,6 +286,7 @@ def _export(args: Namespace) -> None:
         base=base,
         dtype=dtype,
         text_only=args.text_only,
+        tokenizer_dir=tokenizer_dir,
     )
 
     write_hf_export(plan, args.out_dir, force=args.force, max_shard_size=args.max_shard_size)
@@ -411,7 +438,11 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
     if default_base is not None:
         log.info("The run in {} started from {}.", run_dir, default_base)
 
-    return _Source(f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base)
+    default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
+
+    return _Source(
+        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer
+    )
 
 
 def _hf_source(path: Path) -> _Source:
@@ -524,6 +555,70 @@ def _resolve_base(base: str) -> Path:
         )
 
     return path
+
+
+def _resolve_tokenizer_dir(tokenizer: str) -> Path:
+    """Returns the Hugging Face tokenizer directory named by ``--tokenizer``:
+    a directory or a tokenizer asset card."""
+    path = Path(tokenizer)
+
+    if path.is_dir():
+        return path
+
+    card = _asset_store().maybe_retrieve_card(tokenizer)
+
+    if card is None or not card.has_field("tokenizer"):
+        raise CheckpointError(
+            f"`--tokenizer` must be a tokenizer directory or the name of a tokenizer asset card, but '{tokenizer}' is neither."
+        )
+
+    return _tokenizer_dir_of_card(card)
+
+
+def _tokenizer_dir_of_card(card: AssetCard) -> Path:
+    if card.name == QWEN35_TOKENIZER_ASSET:
+        # Built offline on first use.
+        return get_qwen35_tokenizer_dir()
+
+    try:
+        uri = card.field("tokenizer").as_uri()
+
+        if uri.scheme == "file":
+            path = uri.to_path()
+        else:
+            path = get_asset_download_manager().download_tokenizer(uri)
+    except Exception as ex:
+        raise CheckpointError(f"The tokenizer of the {card.name} asset card cannot be found: {ex}") from ex
+
+    return path if path.is_dir() else path.parent
+
+
+def _run_tokenizer_dir(run_dir: Path) -> Path | None:
+    """Returns the tokenizer directory a training run used, as its
+    ``config.yaml`` records it; ``None`` if it cannot be told."""
+    try:
+        run_config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+
+    section = run_config.get("tokenizer") if isinstance(run_config, dict) else None
+
+    if not isinstance(section, dict):
+        return None
+
+    path = section.get("path")
+
+    if isinstance(path, str) and Path(path).is_dir():
+        return Path(path)
+
+    name = section.get("name")
+
+    card = _asset_store().maybe_retrieve_card(name) if isinstance(name, str) else None
+
+    if card is None or not card.has_field("tokenizer"):
+        return None
+
+    return _tokenizer_dir_of_card(card)
 
 
 def _run_base(run_dir: Path) -> Path | None:

@@ -335,9 +335,14 @@ class HfExportPlan:
     tensors: dict[str, _PlannedTensor]
 
     copied_files: list[Path]
-    """Files of the base repository that are copied as they are."""
+    """Files of the base repository (or tokenizer directory) that are copied
+    as they are."""
 
     base: HfRepository | None
+
+    generation_config: dict[str, object] | None = None
+    """The ``generation_config.json`` document of an export that has no base
+    to copy it from."""
 
 
 def plan_hf_export(
@@ -347,6 +352,7 @@ def plan_hf_export(
     base: HfRepository | None = None,
     dtype: DataType | None = None,
     text_only: bool = False,
+    tokenizer_dir: Path | None = None,
 ) -> HfExportPlan:
     """Decides the config, tensors and files of an export.
 
@@ -358,6 +364,11 @@ def plan_hf_export(
         the dtype it has in ``base`` (in the model without a base).
     :param text_only: If ``True``, writes ``Qwen3_5ForCausalLM`` without the
         vision tower. Implied without a base, which has no tower to carry.
+    :param tokenizer_dir: Without a base (a model trained from scratch), the
+        Hugging Face tokenizer directory the model was trained with: its files
+        are copied and the generation config ends text with its end tokens,
+        so transformers can tokenize and stop. Ignored with a base, whose
+        tokenizer is carried over.
     """
     _check_exportable(config)
 
@@ -440,9 +451,59 @@ def plan_hf_export(
         num_mtp_layers=len(mtp_layers),
     )
 
-    copied_files = [] if base is None else _files_to_copy(base, vision=is_vlm)
+    generation_config = None
 
-    return HfExportPlan(doc, tensors, copied_files, base)
+    if base is not None:
+        copied_files = _files_to_copy(base.path, vision=is_vlm)
+    elif tokenizer_dir is not None:
+        # Ours replaces the tokenizer's generation defaults, if it has any.
+        copied_files = [
+            f for f in _files_to_copy(tokenizer_dir, vision=False) if f.name != "generation_config.json"
+        ]
+
+        generation_config = _tokenizer_generation_config(tokenizer_dir)
+    else:
+        copied_files = []
+
+    return HfExportPlan(doc, tensors, copied_files, base, generation_config)
+
+
+def _tokenizer_generation_config(tokenizer_dir: Path) -> dict[str, object]:
+    """Returns generation defaults that end text where the tokenizer does:
+    at its EOS token and at ``<|endoftext|>``, as the released models'."""
+
+    def read(name: str) -> dict[str, object]:
+        file = tokenizer_dir / name
+
+        try:
+            document = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as ex:
+            raise HfExportError(f"{file} must be a readable JSON file of the tokenizer, but cannot be read: {ex}") from None
+
+        if not isinstance(document, dict):
+            raise HfExportError(f"{file} must hold a JSON object, but does not.")
+
+        return document
+
+    tokenizer_config = read("tokenizer_config.json")
+
+    added_tokens = read("tokenizer.json").get("added_tokens") or []
+
+    ids = {t["content"]: t["id"] for t in added_tokens if isinstance(t, dict)}  # type: ignore[union-attr]
+
+    def token_id(token: object) -> int | None:
+        if isinstance(token, dict):  # {"content": ..., ...}
+            token = token.get("content")
+
+        return ids.get(token) if isinstance(token, str) else None
+
+    eos_ids = [i for i in (token_id(tokenizer_config.get("eos_token")), ids.get("<|endoftext|>")) if i is not None]
+
+    return {
+        "bos_token_id": token_id(tokenizer_config.get("bos_token")),
+        "eos_token_id": list(dict.fromkeys(eos_ids)),
+        "pad_token_id": token_id(tokenizer_config.get("pad_token")),
+    }
 
 
 def to_hg_state_dict(
@@ -604,10 +665,10 @@ def _dominant_dtype(tensors: Iterable[_PlannedTensor]) -> torch.dtype:
     return max(counts, key=counts.__getitem__)
 
 
-def _files_to_copy(base: HfRepository, *, vision: bool) -> list[Path]:
+def _files_to_copy(path: Path, *, vision: bool) -> list[Path]:
     names = _COPIED_FILES + (_VISION_FILES if vision else ())
 
-    return [base.path / name for name in names if (base.path / name).is_file()]
+    return [path / name for name in names if (path / name).is_file()]
 
 
 class StateDictShapeError(HfExportError):
@@ -900,6 +961,9 @@ def write_hf_export(
 
         _write_json(staging_dir.path / "config.json", plan.config)
 
+        if plan.generation_config is not None:
+            _write_json(staging_dir.path / "generation_config.json", plan.generation_config)
+
         for file in plan.copied_files:
             shutil.copyfile(file, staging_dir.path / file.name)
 
@@ -1132,6 +1196,7 @@ def save_hf_model(
     text_only: bool = False,
     force: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    tokenizer_dir: str | Path | None = None,
 ) -> None:
     """Saves a Qwen3.5 model as a Hugging Face repository; the inverse of
     :func:`~qwen35_fs2.models.hf.load_hf_model`.
@@ -1147,6 +1212,8 @@ def save_hf_model(
     :param text_only: If ``True``, leaves out the vision tower.
     :param force: If ``True``, replaces a non-empty ``out_dir``.
     :param max_shard_size: The largest safetensors shard in bytes.
+    :param tokenizer_dir: Without ``base``, the Hugging Face tokenizer
+        directory to ship with the model; see :func:`plan_hf_export`.
 
     :raises HfExportError: if ``base`` does not match the model or the export
         cannot be written; ``out_dir`` is unchanged then.
@@ -1173,7 +1240,12 @@ def save_hf_model(
     state_dict = {k: v for k, v in model.state_dict().items() if isinstance(v, Tensor)}
 
     plan = plan_hf_export(
-        state_dict, config, base=base_repo, dtype=dtype, text_only=text_only
+        state_dict,
+        config,
+        base=base_repo,
+        dtype=dtype,
+        text_only=text_only,
+        tokenizer_dir=None if tokenizer_dir is None else Path(tokenizer_dir),
     )
 
     write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)

@@ -408,6 +408,37 @@ class TestPlanHfExport:
         assert not any(k.endswith("experts.gate_up_proj") for k in plan.tensors)
 
 
+    @pytest.mark.slow
+    def test_ships_the_tokenizer_and_its_end_tokens_without_a_base(self, tmp_path: Path) -> None:
+        from transformers import AutoTokenizer
+
+        from qwen35_fs2.models.tokenizer import get_qwen35_tokenizer_dir
+
+        config = tiny_qwen35_config()
+
+        config.vocab_size = 248_320
+        config.pad_idx = 248_044
+
+        tokenizer_dir = get_qwen35_tokenizer_dir(tmp_path / "cache")
+
+        out_dir = tmp_path / "out"
+
+        save_hf_model(create_qwen35_model(config), out_dir, config=config, tokenizer_dir=tokenizer_dir)
+
+        # The ids of the released vocabulary: <|im_end|>, <|endoftext|>.
+        generation_config = json.loads((out_dir / "generation_config.json").read_text())
+
+        assert generation_config["eos_token_id"] == [248_046, 248_044]
+        assert generation_config["pad_token_id"] == 248_044
+
+        # transformers tokenizes with the exported files as with ours.
+        tokenizer = AutoTokenizer.from_pretrained(out_dir)
+
+        assert tokenizer("Hello")["input_ids"] == AutoTokenizer.from_pretrained(tokenizer_dir)("Hello")["input_ids"]
+
+        assert (out_dir / "chat_template.jinja").read_text() == (tokenizer_dir / "chat_template.jinja").read_text()
+
+
 class TestHuggingFaceConverter:
     @pytest.mark.parametrize("config", [tiny_qwen35_config(), tiny_qwen35_moe_config()], ids=["dense", "moe"])
     def test_gives_fairseq2_the_text_only_export(self, config: Qwen35Config) -> None:
