@@ -17,7 +17,10 @@ uses. Each variant runs in a fresh subprocess (so peak memory is per variant):
 
 Each variant runs ``--rounds`` times, interleaved with the others, and the
 fastest step of all its rounds counts: on a shared machine the load changes
-between variants, and the best step is the least disturbed one.
+between variants, and the best step is the least disturbed one. Wall time
+(``tokens_per_s``, ``speedup_vs_reference``) and CPU time of all threads
+(``cpu_step_s``, ``cpu_speedup_vs_reference``) are reported; the latter
+suffers less from other processes.
 
 Prints one JSON line. Example::
 
@@ -32,12 +35,19 @@ import os
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
 from train_step import _max_rss_mib, _time_steps
+
+# The values of `qwen35_fs2.models.moe.ExpertDispatch`; this module imports
+# neither fairseq2 nor our package at the top, as the reference worker runs
+# transformers 5.x.
+EXPERT_DISPATCHES = ("auto", "grouped_mm", "batched", "loop")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,6 +79,27 @@ class MoeBenchConfig:
     vocab_size: int = 4096
     batch_size: int = 2
     seq_len: int = 1024
+    expert_dispatch: str = "auto"
+
+
+def _time_steps_with_cpu(
+    step: Callable[[], None], num_warmup: int, num_steps: int
+) -> tuple[list[float], list[float]]:
+    """Returns the wall times of ``_time_steps`` and the CPU times (all
+    threads) of the same steps; on a shared machine the CPU time is the
+    steadier of the two."""
+    cpu_times = []
+
+    def timed_step() -> None:
+        start = time.process_time()
+
+        step()
+
+        cpu_times.append(time.process_time() - start)
+
+    times = _time_steps(timed_step, num_warmup, num_steps)
+
+    return times, cpu_times[num_warmup:]
 
 
 def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
@@ -99,6 +130,7 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
             top_k=cfg.top_k,
             inner_dim=cfg.expert_inner_dim,
             shared_expert_inner_dim=cfg.shared_expert_inner_dim,
+            dispatch=cfg.expert_dispatch,  # type: ignore[arg-type]
         ),
     )
 
@@ -127,9 +159,14 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
 
         model.zero_grad(set_to_none=True)
 
-    times = _time_steps(step, num_warmup, num_steps)
+    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
 
-    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+    return {
+        "times": times,
+        "cpu_times": cpu_times,
+        "baseline_rss_mib": baseline_rss,
+        "peak_rss_mib": _max_rss_mib(),
+    }
 
 
 def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
@@ -178,9 +215,14 @@ def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> Work
 
         model.zero_grad(set_to_none=True)
 
-    times = _time_steps(step, num_warmup, num_steps)
+    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
 
-    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+    return {
+        "times": times,
+        "cpu_times": cpu_times,
+        "baseline_rss_mib": baseline_rss,
+        "peak_rss_mib": _max_rss_mib(),
+    }
 
 
 def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
@@ -254,9 +296,9 @@ def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRe
             dy @ w  # input gradient
             dy.t() @ x  # weight gradient
 
-    times = _time_steps(step, num_warmup, num_steps)
+    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
 
-    return {"times": times, "flops": flops}
+    return {"times": times, "cpu_times": cpu_times, "flops": flops}
 
 
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
@@ -292,6 +334,8 @@ def _spawn(worker: str, args: argparse.Namespace) -> WorkerResult:
         str(args.num_steps),
         "--seq-len",
         str(args.seq_len),
+        "--expert-dispatch",
+        args.expert_dispatch,
     ]
 
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -309,12 +353,13 @@ def main() -> None:
     parser.add_argument("--num-warmup", type=int, default=1)
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--expert-dispatch", choices=EXPERT_DISPATCHES, default="auto")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
 
     args = parser.parse_args()
 
-    cfg = MoeBenchConfig(seq_len=args.seq_len)
+    cfg = MoeBenchConfig(seq_len=args.seq_len, expert_dispatch=args.expert_dispatch)
 
     if args.worker is not None:
         import torch
@@ -340,6 +385,8 @@ def main() -> None:
     for worker, worker_results in results.items():
         times = [t for r in worker_results for t in r["times"]]
 
+        cpu_times = [t for r in worker_results for t in r["cpu_times"]]
+
         step_s = min(times)
 
         # The memory of the round with the fastest step.
@@ -349,6 +396,7 @@ def main() -> None:
             "step_s": round(step_s, 4),
             "median_step_s": round(statistics.median(times), 4),
             "tokens_per_s": round(num_tokens / step_s, 1),
+            "cpu_step_s": round(min(cpu_times), 4),
         }
 
         if "peak_rss_mib" in result:
@@ -365,6 +413,8 @@ def main() -> None:
     report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
     report["ours_fraction_of_floor"] = round(ours["tokens_per_s"] / floor["tokens_per_s"], 3)
     report["reference_fraction_of_floor"] = round(reference["tokens_per_s"] / floor["tokens_per_s"], 3)
+    report["cpu_speedup_vs_reference"] = round(reference["cpu_step_s"] / ours["cpu_step_s"], 3)
+    report["ours_cpu_fraction_of_floor"] = round(floor["cpu_step_s"] / ours["cpu_step_s"], 3)
 
     print(json.dumps(report))
 

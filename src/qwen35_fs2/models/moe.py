@@ -443,7 +443,7 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
     Two ``bmm`` calls per pass instead of two GEMMs per expert: on a shared
     CPU the per-call thread synchronisation of many small GEMMs costs more
     than moderate padding. Padding rows are zero, so they add nothing to the
-    weight gradients.
+    weight gradients; only they are zero-filled.
     """
 
     @staticmethod
@@ -458,10 +458,10 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
 
         capacity = max(group_sizes)
 
-        rows = _padded_rows(group_sizes, capacity, seqs.device)
+        rows, pad_rows = _padded_rows(group_sizes, capacity, seqs.device)
 
         # (T_r, M) -> (E, C, M)
-        padded_seqs = _pad_rows(seqs, rows, num_experts * capacity).view(num_experts, capacity, -1)
+        padded_seqs = _pad_rows(seqs, rows, pad_rows).view(num_experts, capacity, -1)
 
         # (E, C, M) @ (E, M, 2I) -> (E, C, 2I)
         gate_inner = torch.bmm(padded_seqs, gate_inner_proj.transpose(1, 2))
@@ -469,7 +469,7 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
         # (E, C, I) @ (E, I, M) -> (E, C, M)
         output = torch.bmm(_swiglu(gate_inner), output_proj.transpose(1, 2))
 
-        ctx.save_for_backward(seqs, rows, gate_inner, gate_inner_proj, output_proj)
+        ctx.save_for_backward(padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj)
 
         # (E, C, M) -> (T_r, M)
         return output.flatten(0, 1).index_select(0, rows)
@@ -479,12 +479,10 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
     def backward(
         ctx: Any, grad_output: Tensor
     ) -> tuple[Tensor, Tensor, Tensor, None]:
-        seqs, rows, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
-
-        num_experts, capacity = gate_inner.shape[:2]
+        padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
 
         # (T_r, M) -> (E, C, M)
-        grad_output = _pad_rows(grad_output, rows, num_experts * capacity).view(num_experts, capacity, -1)
+        grad_output = _pad_rows(grad_output, rows, pad_rows).view(padded_seqs.shape)
 
         silu_gate, hidden = _swiglu_parts(gate_inner)
 
@@ -496,8 +494,6 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
 
         grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
 
-        padded_seqs = _pad_rows(seqs, rows, num_experts * capacity).view(num_experts, capacity, -1)
-
         # (E, 2I, C) @ (E, C, M) -> (E, 2I, M)
         grad_gate_inner_proj = torch.bmm(grad_gate_inner.transpose(1, 2), padded_seqs)
 
@@ -507,9 +503,9 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
         return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
 
 
-def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> Tensor:
+def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> tuple[Tensor, Tensor]:
     """Returns the row of each sorted token in the experts' groups padded to
-    ``capacity`` rows each."""
+    ``capacity`` rows each, and the padding rows."""
     sizes = torch.tensor(group_sizes, device=device)
 
     group_starts = sizes.cumsum(0) - sizes
@@ -518,12 +514,22 @@ def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> Tenso
 
     positions = torch.arange(experts.size(0), device=device) - group_starts[experts]
 
-    return experts * capacity + positions
+    rows = experts * capacity + positions
+
+    is_padding = torch.ones(len(group_sizes) * capacity, dtype=torch.bool, device=device)
+
+    is_padding[rows] = False
+
+    return rows, is_padding.nonzero().squeeze(1)
 
 
-def _pad_rows(x: Tensor, rows: Tensor, num_rows: int) -> Tensor:
-    """Returns ``num_rows`` rows, ``x`` at ``rows`` and zero elsewhere."""
-    return x.new_zeros((num_rows, x.size(-1))).index_copy_(0, rows, x)
+def _pad_rows(x: Tensor, rows: Tensor, pad_rows: Tensor) -> Tensor:
+    """Returns ``x`` at ``rows`` and zeros at ``pad_rows``."""
+    padded = x.new_empty((rows.size(0) + pad_rows.size(0), x.size(-1)))
+
+    padded.index_fill_(0, pad_rows, 0.0)
+
+    return padded.index_copy_(0, rows, x)
 
 
 def _swiglu(gate_inner: Tensor) -> Tensor:
