@@ -31,16 +31,15 @@ pytestmark = pytest.mark.slow
 
 _SEQ_LENS = [1, 63, 64, 65, 200]
 
-# Five layers whose Gated DeltaNets amplify fp32 rounding: beyond about 100
-# tokens our fp32 logits differ from our fp64 ones by up to 1.9e-5, and from
-# the (equally fp32) reference by up to 2.2e-5, so this configuration stops at
-# one chunk and one token.
-_SHORT_SEQ_LENS = [1, 63, 64, 65]
 
+# Small weights (initializer_range 0.02, as released models): with larger ones
+# the Gated DeltaNets amplify fp32 rounding until our fp32 logits and the
+# (equally fp32) reference both drift ~2e-5 from an fp64 run of the same model,
+# so 2e-5 would test rounding rather than the model.
 # Both expert layouts and checkpoint layouts; top-1 to top-4 of 4 to 12
 # experts; tied and untied; GQA 2:1 to 6:1; value heads 1x to 3x the key heads.
 _SPECS = {
-    "fused-vlm-mtp-top2of8": TinyQwen35Spec(layout="vlm", moe=True, add_mtp=True, seed=11),
+    "fused-vlm-mtp-top2of8": TinyQwen35Spec(layout="vlm", moe=True, add_mtp=True, seed=11, initializer_range=0.02),
     "per-expert-text-top4of12-tied": TinyQwen35Spec(
         layout="text",
         moe=True,
@@ -56,6 +55,7 @@ _SPECS = {
         linear_num_key_heads=1,
         linear_num_value_heads=3,
         seed=12,
+        initializer_range=0.02,
     ),
     "per-expert-vlm-top1of4-mixed-layers": TinyQwen35Spec(
         layout="vlm",
@@ -70,6 +70,7 @@ _SPECS = {
         linear_num_key_heads=2,
         linear_num_value_heads=2,
         seed=13,
+        initializer_range=0.02,
     ),
     "fused-text-top3of6": TinyQwen35Spec(
         layout="text",
@@ -79,12 +80,9 @@ _SPECS = {
         partial_rotary_factor=0.5,
         rope_theta=10_000.0,
         seed=14,
+        initializer_range=0.02,
     ),
 }
-
-
-def _seq_lens(name: str) -> list[int]:
-    return _SHORT_SEQ_LENS if name == "per-expert-vlm-top1of4-mixed-layers" else _SEQ_LENS
 
 
 def _padded_batch(vocab_size: int, seq_lens: list[int]) -> tuple[Tensor, Tensor]:
@@ -110,7 +108,7 @@ def reference(hf_tiny_models: TinyModelCache) -> dict[str, tuple[Path, Tensor]]:
     pending = {}
 
     for name, model_dir in zip(_SPECS, model_dirs):
-        seqs, mask = _padded_batch(_SPECS[name].vocab_size, _seq_lens(name))
+        seqs, mask = _padded_batch(_SPECS[name].vocab_size, _SEQ_LENS)
 
         pending[name] = (model_dir, batch.logits(model_dir, seqs, attention_mask=mask))
 
@@ -123,7 +121,7 @@ def reference(hf_tiny_models: TinyModelCache) -> dict[str, tuple[Path, Tensor]]:
 def test_logits_match_transformers(name: str, reference: dict[str, tuple[Path, Tensor]]) -> None:
     model_dir, expected = reference[name]
 
-    seq_lens = _seq_lens(name)
+    seq_lens = _SEQ_LENS
 
     seqs, _ = _padded_batch(_SPECS[name].vocab_size, seq_lens)
 
@@ -374,10 +372,13 @@ class TestBadMoeCheckpoints:
         assert all(isinstance(layer.ffn, Qwen35MoeBlock) for layer in model.decoder.layers)
 
 
-def test_greedy_generation_matches_transformers(reference: dict[str, tuple[Path, Tensor]]) -> None:
+def test_greedy_generation_matches_transformers(hf_tiny_models: TinyModelCache) -> None:
     """fairseq2's generator, prefilling in chunks and decoding step by step,
     against transformers' `generate` with its own cache."""
-    model_dir, _ = reference["fused-vlm-mtp-top2of8"]
+    # Larger weights than the logits specs: a random model with 0.02 weights
+    # has nearly flat logits, where fp32 rounding decides near ties of the
+    # greedy argmax.
+    model_dir = hf_tiny_models.get(TinyQwen35Spec(layout="vlm", moe=True, add_mtp=True, seed=11))
 
     generator = torch.Generator().manual_seed(5)
 
