@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ruamel.yaml import YAML
 from slurm_cluster import CONFIGS, CPUS_PER_NODE, GPUS_PER_NODE, RUN_CPT, RUN_SFT, Cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -133,12 +134,16 @@ def test_output_dir_in_use_by_a_running_job(slurm_cluster: Cluster, tmp_path: Pa
 def test_default_config_and_its_output_dir(slurm_cluster: Cluster, tmp_path: Path) -> None:
     """Without QWEN35_CONFIG the script's GPU config is used, and the output
     directory is that config's `output_dir`, under the submit directory. (A
-    file named `runs` there makes it fail before any training starts.)"""
-    (tmp_path / "runs").write_text("")
+    file in place of its parent makes it fail before any training starts.)"""
+    config = RUN_CPT.parent.parent / "recipes/qwen35_0.8b_fineweb_edu.yaml"
+    output_dir = Path(YAML(typ="safe").load(config.read_text())["output_dir"])
+    assert not output_dir.is_absolute() and len(output_dir.parts) >= 2, output_dir
+    (tmp_path / output_dir.parent).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / output_dir.parent).write_text("")
     _expect_start_failure(
         slurm_cluster,
         tmp_path,
-        f"cannot create output directory {tmp_path}/runs/qwen35_0.8b_fineweb_edu: Not a directory",
+        f"cannot create output directory {tmp_path / output_dir}: Not a directory",
         CPU_JOB,
         {},
         script=RUN_CPT,
