@@ -13,6 +13,9 @@ Each variant runs in a fresh subprocess (so peak memory is per variant):
 Prints one JSON line. Example::
 
     .venv/bin/python benchmarks/train_step.py --threads 2
+
+With ``--profile N`` the report also lists, for ``ours`` and ``reference``,
+the N operators with the most self CPU time in one extra profiled step.
 """
 
 from __future__ import annotations
@@ -70,7 +73,45 @@ def _time_steps(step: object, num_warmup: int, num_steps: int) -> list[float]:
     return times
 
 
-def _run_ours(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _profile_step(step: object, top: int) -> list[dict[str, object]]:
+    """Runs ``step`` once under the PyTorch profiler; returns the ``top``
+    operators by self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()  # type: ignore[operator]
+
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+
+    total_us = sum(e.self_cpu_time_total for e in events)
+
+    return [
+        {
+            "op": e.key,
+            "calls": e.count,
+            "self_ms": round(e.self_cpu_time_total / 1000, 1),
+            "share": round(e.self_cpu_time_total / total_us, 3),
+        }
+        for e in events[:top]
+    ]
+
+
+def _measure(step: object, args: argparse.Namespace, baseline_rss: float) -> dict[str, object]:
+    """Times ``step``, then profiles it if asked (after the timing, so that
+    the profiler does not change the peak memory measured)."""
+    result: dict[str, object] = {
+        "times": _time_steps(step, args.num_warmup, args.num_steps),
+        "baseline_rss_mib": baseline_rss,
+        "peak_rss_mib": _max_rss_mib(),
+    }
+
+    if args.profile:
+        result["profile"] = _profile_step(step, args.profile)
+
+    return result
+
+
+def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     from fairseq2.nn import BatchLayout
@@ -115,12 +156,10 @@ def _run_ours(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[str, ob
 
         model.zero_grad(set_to_none=True)
 
-    times = _time_steps(step, num_warmup, num_steps)
-
-    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+    return _measure(step, args, baseline_rss)
 
 
-def _run_reference(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     # transformers calls fla / causal_conv1d whenever importable; they fail on
     # CPU.
     for name in ("fla", "causal_conv1d"):
@@ -161,9 +200,7 @@ def _run_reference(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[st
 
         model.zero_grad(set_to_none=True)
 
-    times = _time_steps(step, num_warmup, num_steps)
-
-    return {"times": times, "baseline_rss_mib": baseline_rss, "peak_rss_mib": _max_rss_mib()}
+    return _measure(step, args, baseline_rss)
 
 
 def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
@@ -201,7 +238,7 @@ def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
     return shapes
 
 
-def _run_floor(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[str, object]:
+def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     num_tokens = cfg.batch_size * cfg.seq_len
@@ -225,7 +262,7 @@ def _run_floor(cfg: BenchConfig, num_warmup: int, num_steps: int) -> dict[str, o
             dy @ w  # input gradient
             dy.t() @ x  # weight gradient
 
-    times = _time_steps(step, num_warmup, num_steps)
+    times = _time_steps(step, args.num_warmup, args.num_steps)
 
     return {"times": times, "flops": flops}
 
@@ -263,6 +300,8 @@ def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
         str(args.num_steps),
         "--seq-len",
         str(args.seq_len),
+        "--profile",
+        str(args.profile),
     ]
 
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -280,6 +319,7 @@ def main() -> None:
     parser.add_argument("--num-warmup", type=int, default=1)
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="list the N operators with the most self CPU time")
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
 
     args = parser.parse_args()
@@ -291,7 +331,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
 
-        result = _WORKERS[args.worker](cfg, args.num_warmup, args.num_steps)
+        result = _WORKERS[args.worker](cfg, args)
 
         print(json.dumps(result))
 
@@ -319,6 +359,9 @@ def main() -> None:
 
         if "flops" in result:
             entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)  # type: ignore[operator]
+
+        if "profile" in result:
+            entry["profile"] = result["profile"]
 
         report[worker] = entry
 
