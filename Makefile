@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
+# --no-warn-conflicts: pip would compare the overlay's transformers 5.x with
+# fairseq2's pins in the venv, which the overlay does not touch.
 $(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
-	$(BIN)/pip install --quiet --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
+	$(BIN)/pip install --quiet --no-warn-conflicts --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
 	touch $@
 
 test: setup
