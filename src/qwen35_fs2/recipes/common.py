@@ -1,11 +1,12 @@
-"""Parts shared by the Qwen3.5 language-model recipes: the loss of a batch,
-the training and validation units, vocabulary checks and metric names."""
+"""Parts shared by the Qwen3.5 language-model recipes: the base of the
+training recipes, the loss of a batch, the training and validation units,
+vocabulary checks and metric names."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias, cast, final
+from typing import Protocol, TypeAlias, cast, final
 
 import torch
 from torch import Tensor
@@ -13,6 +14,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.data.tokenizers import Tokenizer
+from fairseq2.datasets import DataReader
 from fairseq2.error import InternalError
 from fairseq2.datasets import SequenceBatch
 from fairseq2.recipe.evaluator import EvalUnit
@@ -28,14 +30,20 @@ from fairseq2.metrics.formatters import format_as_float, format_as_int
 from fairseq2.metrics.recorders import MetricDescriptor, MetricFormatter
 from fairseq2.models.clm import CausalLM
 from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.recipe.cli import register_cli_error
 from fairseq2.recipe.error import RecipeError
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.recipe.trainer import TrainUnit
+from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
 from qwen35_fs2.models.moe import MoeStatistics, Qwen35MoeBlock, collect_moe_statistics
+from qwen35_fs2.models.sharded_family import (
+    enable_sharded_checkpoint_loading,
+    finish_sharded_checkpoint_loading,
+)
 from qwen35_fs2.recipes.preemption import install_stop_on_signal_fix
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
@@ -76,6 +84,68 @@ class LMLossSection:
             )
 
         return result
+
+
+class _LMTrainingConfig(Protocol):
+    loss: LMLossSection
+
+
+class LMTrainingRecipe(Recipe):
+    """The base of ``lm train`` and ``lm instruction_finetune``: Hugging Face
+    checkpoints load straight into each rank's shards, the loss is the chunked
+    cross entropy plus the MoE load-balancing loss, and MoE models train
+    without a static autograd graph. Subclasses build the data readers."""
+
+    def __init__(self) -> None:
+        self._has_moe = False
+
+    @override
+    def register(self, container: DependencyContainer) -> None:
+        register_lm_recipe_extras(container)
+
+        enable_sharded_checkpoint_loading(container)
+
+    @override
+    def setup_model(
+        self, context: RecipeContext, model: Module, newly_initialized: bool
+    ) -> Module:
+        config = cast(_LMTrainingConfig, context.get_config_as(self.config_kls))
+
+        model = finish_sharded_checkpoint_loading(context, model)
+
+        self._has_moe = has_moe_layers(model)
+
+        return setup_lm_loss(model, config.loss)
+
+    @override
+    def has_static_autograd_graph(self, context: RecipeContext) -> bool:
+        # Experts that no token of a batch is routed to get no gradient.
+        return not self._has_moe
+
+    def create_lm_trainer(
+        self,
+        context: RecipeContext,
+        train_reader: DataReader[SequenceBatch],
+        valid_reader: DataReader[SequenceBatch] | None,
+    ) -> Task:
+        """Returns the trainer of the language-model loss on ``train_reader``,
+        validating on ``valid_reader`` if given."""
+        config = cast(_LMTrainingConfig, context.get_config_as(self.config_kls))
+
+        dp_model = context.get_data_parallel_model()
+
+        aux_loss_fn = create_aux_loss_fn(dp_model)
+
+        loss_computer = LMLossComputer(dp_model, aux_loss_fn, config.loss.aux_loss_weight)
+
+        unit = LMTrainUnit(loss_computer)
+
+        if valid_reader is None:
+            return context.create_trainer(unit, train_reader)
+
+        valid_unit = LMLossEvalUnit(loss_computer)
+
+        return context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
 
 
 def setup_lm_loss(model: Module, section: LMLossSection) -> Module:

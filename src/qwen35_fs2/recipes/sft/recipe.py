@@ -6,30 +6,18 @@ from __future__ import annotations
 
 from typing import final
 
-from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
 from fairseq2.datasets import SyncMode
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.recipe.base import Recipe, RecipeContext
-from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.recipe.base import RecipeContext
 from fairseq2.task import Task
 
-from qwen35_fs2.models.sharded_family import (
-    enable_sharded_checkpoint_loading,
-    finish_sharded_checkpoint_loading,
-)
 from qwen35_fs2.recipes.common import (
-    LMLossComputer,
-    LMLossEvalUnit,
-    LMTrainUnit,
+    LMTrainingRecipe,
     check_sft_vocabulary,
-    create_aux_loss_fn,
     get_sft_pad_idx,
-    has_moe_layers,
-    register_lm_recipe_extras,
-    setup_lm_loss,
 )
 from qwen35_fs2.recipes.instruction import ChatEncoder, read_instruction_examples
 from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig
@@ -37,34 +25,7 @@ from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
 
 
 @final
-class InstructionFinetuneRecipe(Recipe):
-    def __init__(self) -> None:
-        self._has_moe = False
-
-    @override
-    def register(self, container: DependencyContainer) -> None:
-        register_lm_recipe_extras(container)
-
-        # Hugging Face checkpoints load straight into each rank's shards.
-        enable_sharded_checkpoint_loading(container)
-
-    @override
-    def setup_model(
-        self, context: RecipeContext, model: Module, newly_initialized: bool
-    ) -> Module:
-        config = context.get_config_as(InstructionFinetuneConfig)
-
-        model = finish_sharded_checkpoint_loading(context, model)
-
-        self._has_moe = has_moe_layers(model)
-
-        return setup_lm_loss(model, config.loss)
-
-    @override
-    def has_static_autograd_graph(self, context: RecipeContext) -> bool:
-        # Experts that no token of a batch is routed to get no gradient.
-        return not self._has_moe
-
+class InstructionFinetuneRecipe(LMTrainingRecipe):
     @override
     def create_task(self, context: RecipeContext) -> Task:
         config = context.get_config_as(InstructionFinetuneConfig)
@@ -129,20 +90,7 @@ class InstructionFinetuneRecipe(Recipe):
 
         check_sft_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
-        dp_model = context.get_data_parallel_model()
-
-        aux_loss_fn = create_aux_loss_fn(dp_model)
-
-        loss_computer = LMLossComputer(dp_model, aux_loss_fn, config.loss.aux_loss_weight)
-
-        unit = LMTrainUnit(loss_computer)
-
-        if valid_reader is None:
-            return context.create_trainer(unit, train_reader)
-
-        valid_unit = LMLossEvalUnit(loss_computer)
-
-        return context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
+        return self.create_lm_trainer(context, train_reader, valid_reader)
 
     @property
     @override

@@ -6,63 +6,21 @@ from __future__ import annotations
 
 from typing import final
 
-from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.recipe.base import Recipe, RecipeContext
-from fairseq2.runtime.dependency import DependencyContainer
+from fairseq2.recipe.base import RecipeContext
 from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.datasets.pretraining import PretrainingDataset, PretrainingReader
-from qwen35_fs2.models.sharded_family import (
-    enable_sharded_checkpoint_loading,
-    finish_sharded_checkpoint_loading,
-)
-from qwen35_fs2.recipes.common import (
-    LMLossComputer,
-    LMLossEvalUnit,
-    LMTrainUnit,
-    check_pretraining_vocabulary,
-    create_aux_loss_fn,
-    has_moe_layers,
-    register_lm_recipe_extras,
-    setup_lm_loss,
-)
+from qwen35_fs2.recipes.common import LMTrainingRecipe, check_pretraining_vocabulary
 from qwen35_fs2.recipes.synthetic import SYNTHETIC_SCHEME, materialize_synthetic_dataset
 from qwen35_fs2.recipes.train.config import ParquetTextSource, PretrainConfig
 
 
 @final
-class PretrainRecipe(Recipe):
-    def __init__(self) -> None:
-        self._has_moe = False
-
-    @override
-    def register(self, container: DependencyContainer) -> None:
-        register_lm_recipe_extras(container)
-
-        # Hugging Face checkpoints load straight into each rank's shards.
-        enable_sharded_checkpoint_loading(container)
-
-    @override
-    def setup_model(
-        self, context: RecipeContext, model: Module, newly_initialized: bool
-    ) -> Module:
-        config = context.get_config_as(PretrainConfig)
-
-        model = finish_sharded_checkpoint_loading(context, model)
-
-        self._has_moe = has_moe_layers(model)
-
-        return setup_lm_loss(model, config.loss)
-
-    @override
-    def has_static_autograd_graph(self, context: RecipeContext) -> bool:
-        # Experts that no token of a batch is routed to get no gradient.
-        return not self._has_moe
-
+class PretrainRecipe(LMTrainingRecipe):
     @override
     def create_task(self, context: RecipeContext) -> Task:
         config = context.get_config_as(PretrainConfig)
@@ -90,20 +48,7 @@ class PretrainRecipe(Recipe):
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
-        dp_model = context.get_data_parallel_model()
-
-        aux_loss_fn = create_aux_loss_fn(dp_model)
-
-        loss_computer = LMLossComputer(dp_model, aux_loss_fn, config.loss.aux_loss_weight)
-
-        unit = LMTrainUnit(loss_computer)
-
-        if valid_reader is None:
-            return context.create_trainer(unit, train_reader)
-
-        valid_unit = LMLossEvalUnit(loss_computer)
-
-        return context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
+        return self.create_lm_trainer(context, train_reader, valid_reader)
 
     @staticmethod
     def _create_reader(
