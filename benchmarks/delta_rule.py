@@ -27,13 +27,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# The process handling is shared with the training-step benchmarks.
+from train_step import spawn_worker
+
 
 
 def _max_rss_mib() -> float:
@@ -128,37 +128,6 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-def _spawn(variant: str, args: argparse.Namespace) -> dict[str, Any]:
-    env = dict(os.environ)
-
-    threads = str(args.threads)
-
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-
-    if variant == "reference":
-        overlay = env.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
-
-        if not Path(overlay, "transformers").is_dir():
-            raise SystemExit(
-                f"error: the transformers reference overlay is missing at {overlay}; run `make setup`."
-            )
-
-        env["PYTHONPATH"] = overlay
-
-    cmd = [sys.executable, __file__, "--worker", variant] + [
-        f"--{name.replace('_', '-')}={value}"
-        for name, value in vars(args).items()
-        if name not in ("worker", "rounds")
-    ]
-
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-
-    if result.returncode != 0:
-        raise SystemExit(f"error: the {variant} worker failed:\n{result.stderr}")
-
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
@@ -192,7 +161,7 @@ def main() -> None:
 
     for _ in range(args.rounds):
         for variant, variant_results in results.items():
-            variant_results.append(_spawn(variant, args))
+            variant_results.append(spawn_worker(__file__, variant, args))
 
     for variant, variant_results in results.items():
         times = [t for result in variant_results for t in result["times"]]

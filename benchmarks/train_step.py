@@ -30,6 +30,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -270,7 +271,10 @@ def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 
-def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
+def spawn_worker(script: str, worker: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Runs ``script`` as ``worker`` in a fresh process with the same options
+    (but ``--rounds``) and ``args.threads`` threads, the reference with the
+    transformers overlay on its path; returns the JSON line it prints."""
     env = dict(os.environ)
 
     threads = str(args.threads)
@@ -278,7 +282,7 @@ def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
 
     if worker == "reference":
-        overlay = os.environ.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
+        overlay = env.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
 
         if not Path(overlay, "transformers").is_dir():
             raise SystemExit(
@@ -287,21 +291,10 @@ def _spawn(worker: str, args: argparse.Namespace) -> dict[str, object]:
 
         env["PYTHONPATH"] = overlay
 
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        worker,
-        "--threads",
-        threads,
-        "--num-warmup",
-        str(args.num_warmup),
-        "--num-steps",
-        str(args.num_steps),
-        "--seq-len",
-        str(args.seq_len),
-        "--profile",
-        str(args.profile),
+    cmd = [sys.executable, script, "--worker", worker] + [
+        f"--{name.replace('_', '-')}={value}"
+        for name, value in vars(args).items()
+        if name not in ("worker", "rounds")
     ]
 
     result = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -342,7 +335,7 @@ def main() -> None:
     report: dict[str, object] = {"config": asdict(cfg), "threads": args.threads}
 
     for worker in ("floor", "ours", "reference"):
-        result = _spawn(worker, args)
+        result = spawn_worker(__file__, worker, args)
 
         step_s = statistics.median(result["times"])  # type: ignore[arg-type]
 

@@ -31,25 +31,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
-from train_step import _max_rss_mib, _time_steps
+from train_step import _max_rss_mib, _time_steps, spawn_worker
 
 # The values of `qwen35_fs2.models.moe.ExpertDispatch`; this module imports
 # neither fairseq2 nor our package at the top, as the reference worker runs
 # transformers 5.x.
 EXPERT_DISPATCHES = ("auto", "grouped_mm", "batched", "loop")
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 AUX_LOSS_COEF = 0.001
 
@@ -304,48 +299,6 @@ def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRe
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 
-def _spawn(worker: str, args: argparse.Namespace) -> WorkerResult:
-    env = dict(os.environ)
-
-    threads = str(args.threads)
-
-    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-
-    if worker == "reference":
-        overlay = os.environ.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
-
-        if not Path(overlay, "transformers").is_dir():
-            raise SystemExit(
-                f"error: the transformers reference overlay is missing at {overlay}; run `make setup`."
-            )
-
-        env["PYTHONPATH"] = overlay
-
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        worker,
-        "--threads",
-        threads,
-        "--num-warmup",
-        str(args.num_warmup),
-        "--num-steps",
-        str(args.num_steps),
-        "--seq-len",
-        str(args.seq_len),
-        "--expert-dispatch",
-        args.expert_dispatch,
-    ]
-
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True)
-
-    if result.returncode != 0:
-        raise SystemExit(f"error: the {worker} worker failed:\n{result.stderr}")
-
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
@@ -380,7 +333,7 @@ def main() -> None:
 
     for _ in range(args.rounds):
         for worker, worker_results in results.items():
-            worker_results.append(_spawn(worker, args))
+            worker_results.append(spawn_worker(__file__, worker, args))
 
     for worker, worker_results in results.items():
         times = [t for r in worker_results for t in r["times"]]
