@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from importlib.resources import as_file, files
@@ -47,6 +45,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 from typing_extensions import override
 
+from qwen35_fs2.cache_dir import build_dir_atomically
 from qwen35_fs2.models.config import QWEN35_FAMILY
 
 QWEN35_TOKENIZER_ASSET: Final = "qwen35_tokenizer"
@@ -411,30 +410,9 @@ def get_qwen35_tokenizer_dir(cache_dir: Path | None = None) -> Path:
     path = get_qwen35_tokenizer_path(cache_dir)
 
     if not path.is_dir():
-        _build_qwen35_tokenizer_dir(path)
+        build_dir_atomically(_write_qwen35_tokenizer_files, path)
 
     return path
-
-
-def _build_qwen35_tokenizer_dir(path: Path) -> None:
-    # Concurrent processes (ranks, test workers) may build at the same time:
-    # each builds in its own temporary directory and renames it into place.
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-
-    try:
-        _write_qwen35_tokenizer_files(tmp_dir)
-
-        tmp_dir.chmod(0o755)
-
-        try:
-            tmp_dir.rename(path)
-        except OSError:
-            if not path.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _write_qwen35_tokenizer_files(output_dir: Path) -> None:

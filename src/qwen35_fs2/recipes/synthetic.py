@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from importlib.resources import files
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Final
 from fairseq2.recipe.error import RecipeError
 from fairseq2.utils.uri import Uri
 
+from qwen35_fs2.cache_dir import build_dir_atomically
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
 
 SYNTHETIC_SCHEME: Final = "synthetic"
@@ -71,7 +70,7 @@ def materialize_synthetic_dataset(uri: Uri, cache_dir: Path | None = None) -> Pa
     path = cache_dir.joinpath("synthetic", f"{name}-{_get_generator_digest()}")
 
     if not path.is_dir():
-        _write_atomically(write, path)
+        build_dir_atomically(write, path)
 
     return path
 
@@ -87,24 +86,3 @@ def _get_generator_digest() -> str:
     digest.update(files("qwen35_fs2.recipes").joinpath("synthetic.py").read_bytes())
 
     return digest.hexdigest()[:12]
-
-
-def _write_atomically(write: Callable[[Path], None], path: Path) -> None:
-    # Ranks may write at the same time: each writes into its own temporary
-    # directory and renames it into place; the corpora are deterministic.
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-
-    try:
-        write(tmp_dir)
-
-        tmp_dir.chmod(0o755)
-
-        try:
-            tmp_dir.rename(path)
-        except OSError:
-            if not path.is_dir():
-                raise
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
