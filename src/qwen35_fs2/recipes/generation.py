@@ -6,19 +6,25 @@ generators (incremental decoding)."""
 from __future__ import annotations
 
 import json
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO, cast
+from typing import Any, TextIO, cast, final
+
+from typing_extensions import override
 
 from fairseq2.data import Collater
 from fairseq2.data.data_pipeline import SequenceData, read_sequence
-from fairseq2.data.tokenizers import TokenDecoder, Tokenizer
+from fairseq2.data.tokenizers import Tokenizer
 from fairseq2.datasets import DataPipelineReader, DataReadError, SequenceBatch, SyncMode
 from fairseq2.error import InternalError
 from fairseq2.file_system import FileMode
 from fairseq2.gang import Gangs
-from fairseq2.generation import SequenceGenerator, SequenceGeneratorOutput
+from fairseq2.generation import SequenceGenerator
+from fairseq2.metrics import MetricBag
+from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
 from fairseq2.recipe.base import RecipeContext
+from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.recipes.instruction import ChatEncoder, InstructionExample, InstructionSource
@@ -139,33 +145,55 @@ def get_batch_examples(batch: SequenceBatch) -> list[dict[str, str]]:
     return [dict(zip(columns, values)) for values in zip(*columns.values())]
 
 
-def generate_responses(
-    generator: SequenceGenerator, decoder: TokenDecoder, batch: SequenceBatch
-) -> tuple[SequenceGeneratorOutput, list[str]]:
-    """Generates for the prompts of ``batch`` and returns the output and the
-    decoded first hypothesis of each prompt."""
-    seqs, seqs_layout = batch.as_input()
+class ResponseUnit(GeneratorUnit[SequenceBatch]):
+    """Generates one response per prompt of a batch (the first hypothesis)
+    and writes one JSONL record per example. Subclasses make the records and
+    any metrics of their own."""
 
-    output = generator(seqs, seqs_layout)
+    def __init__(
+        self,
+        generator: SequenceGenerator,
+        tokenizer: Tokenizer,
+        output_stream: TextIO | None,
+    ) -> None:
+        self._generator = generator
+        self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
+        self._output_stream = output_stream
 
-    responses = []
+    @override
+    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+        add_seq_generator_metrics(metric_bag)
 
-    for hypotheses in output.hypotheses:
-        if not hypotheses:
-            raise InternalError("The sequence generator returned no hypothesis.")
+    @final
+    @override
+    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
+        seqs, seqs_layout = batch.as_input()
 
-        responses.append(decoder(hypotheses[0].seq))
+        output = self._generator(seqs, seqs_layout)
 
-    return output, responses
+        update_seq_generator_metrics(metric_bag, output)
 
+        responses = []
 
-def write_jsonl(stream: TextIO | None, records: Sequence[Mapping[str, object]]) -> None:
-    if stream is None:
-        return
+        for hypotheses in output.hypotheses:
+            if not hypotheses:
+                raise InternalError("The sequence generator returned no hypothesis.")
 
-    for record in records:
-        stream.write(json.dumps(record, ensure_ascii=False))
-        stream.write("\n")
+            responses.append(self._decoder(hypotheses[0].seq))
 
-    stream.flush()
+        records = self.make_records(get_batch_examples(batch), responses, metric_bag)
 
+        if self._output_stream is None:
+            return
+
+        for record in records:
+            self._output_stream.write(json.dumps(record, ensure_ascii=False))
+            self._output_stream.write("\n")
+
+        self._output_stream.flush()
+
+    @abstractmethod
+    def make_records(
+        self, examples: list[dict[str, str]], responses: list[str], metric_bag: MetricBag
+    ) -> list[dict[str, object]]:
+        """Returns the output record of each example given its response."""

@@ -4,31 +4,20 @@ references. Writes every generation to ``OUTPUT_DIR/gsm8k/rank_<r>.jsonl``."""
 
 from __future__ import annotations
 
-from typing import TextIO, final
+from typing import final
 
 from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
-from fairseq2.data.tokenizers import Tokenizer
-from fairseq2.datasets import SequenceBatch
-from fairseq2.generation import SequenceGenerator
 from fairseq2.metrics import Mean, MetricBag, Sum
-from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
 from fairseq2.recipe.base import Recipe, RecipeContext
-from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.task import Task
 
 from qwen35_fs2.recipes.common import register_lm_recipe_extras
 from qwen35_fs2.recipes.eval_gsm8k.config import EvalGsm8kConfig
-from qwen35_fs2.recipes.generation import (
-    create_prompt_reader,
-    generate_responses,
-    get_batch_examples,
-    open_output_stream,
-    write_jsonl,
-)
 from qwen35_fs2.datasets.gsm8k import extract_gsm8k_answer
+from qwen35_fs2.recipes.generation import ResponseUnit, create_prompt_reader, open_output_stream
 from qwen35_fs2.recipes.instruction import InstructionDataError, read_instruction_examples
 
 
@@ -81,33 +70,19 @@ class EvalGsm8kRecipe(Recipe):
 
 
 @final
-class Gsm8kEvalUnit(GeneratorUnit[SequenceBatch]):
-    def __init__(
-        self,
-        generator: SequenceGenerator,
-        tokenizer: Tokenizer,
-        output_stream: TextIO | None,
-    ) -> None:
-        self._generator = generator
-        self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
-        self._output_stream = output_stream
-
+class Gsm8kEvalUnit(ResponseUnit):
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
-        add_seq_generator_metrics(metric_bag)
+        super().prepare_metric_bag(metric_bag)
 
         metric_bag.add("accuracy", Mean())
         metric_bag.add("num_correct", Sum())
 
     @override
-    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
-        examples = get_batch_examples(batch)
-
-        output, responses = generate_responses(self._generator, self._decoder, batch)
-
-        update_seq_generator_metrics(metric_bag, output)
-
-        records = []
+    def make_records(
+        self, examples: list[dict[str, str]], responses: list[str], metric_bag: MetricBag
+    ) -> list[dict[str, object]]:
+        records: list[dict[str, object]] = []
 
         num_correct = 0
 
@@ -135,4 +110,4 @@ class Gsm8kEvalUnit(GeneratorUnit[SequenceBatch]):
         metric_bag.get("accuracy", Mean).update(num_correct / len(examples), weight=len(examples))
         metric_bag.get("num_correct", Sum).update(num_correct)
 
-        write_jsonl(self._output_stream, records)
+        return records

@@ -3,30 +3,19 @@ written to ``OUTPUT_DIR/generations/rank_<r>.jsonl``."""
 
 from __future__ import annotations
 
-from typing import TextIO, final
+from typing import final
 
 from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
-from fairseq2.data.tokenizers import Tokenizer
-from fairseq2.datasets import SequenceBatch
-from fairseq2.generation import SequenceGenerator
 from fairseq2.metrics import MetricBag
-from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
 from fairseq2.recipe.base import Recipe, RecipeContext
-from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.task import Task
 
 from qwen35_fs2.recipes.common import register_lm_recipe_extras
 from qwen35_fs2.recipes.generate.config import GenerateConfig
-from qwen35_fs2.recipes.generation import (
-    create_prompt_reader,
-    generate_responses,
-    get_batch_examples,
-    open_output_stream,
-    write_jsonl,
-)
+from qwen35_fs2.recipes.generation import ResponseUnit, create_prompt_reader, open_output_stream
 from qwen35_fs2.recipes.instruction import read_instruction_examples
 
 
@@ -74,32 +63,12 @@ class GenerateRecipe(Recipe):
 
 
 @final
-class GenerateUnit(GeneratorUnit[SequenceBatch]):
-    def __init__(
-        self,
-        generator: SequenceGenerator,
-        tokenizer: Tokenizer,
-        output_stream: TextIO | None,
-    ) -> None:
-        self._generator = generator
-        self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
-        self._output_stream = output_stream
-
+class GenerateUnit(ResponseUnit):
     @override
-    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
-        add_seq_generator_metrics(metric_bag)
-
-    @override
-    def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
-        examples = get_batch_examples(batch)
-
-        output, responses = generate_responses(self._generator, self._decoder, batch)
-
-        update_seq_generator_metrics(metric_bag, output)
-
-        records = [
+    def make_records(
+        self, examples: list[dict[str, str]], responses: list[str], metric_bag: MetricBag
+    ) -> list[dict[str, object]]:
+        return [
             {"id": example["id"], "prompt": example["prompt"], "response": response}
             for example, response in zip(examples, responses)
         ]
-
-        write_jsonl(self._output_stream, records)
