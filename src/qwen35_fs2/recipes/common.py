@@ -14,9 +14,8 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.data.tokenizers import Tokenizer
-from fairseq2.datasets import DataReader
 from fairseq2.error import InternalError
-from fairseq2.datasets import SequenceBatch
+from fairseq2.datasets import DataReader, SequenceBatch
 from fairseq2.recipe.evaluator import EvalUnit
 from fairseq2.logging import log
 from fairseq2.metrics import Max, Mean, MetricBag, Min, Sum
