@@ -97,6 +97,20 @@ def _time_steps_with_cpu(
     return times, cpu_times[num_warmup:]
 
 
+def _measure(
+    step: Callable[[], None], num_warmup: int, num_steps: int, baseline_rss: float
+) -> WorkerResult:
+    """Times the model's ``step`` in wall and CPU time, with its peak memory."""
+    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
+
+    return {
+        "times": times,
+        "cpu_times": cpu_times,
+        "baseline_rss_mib": baseline_rss,
+        "peak_rss_mib": _max_rss_mib(),
+    }
+
+
 def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
     import torch
 
@@ -154,14 +168,7 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
 
         model.zero_grad(set_to_none=True)
 
-    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
-
-    return {
-        "times": times,
-        "cpu_times": cpu_times,
-        "baseline_rss_mib": baseline_rss,
-        "peak_rss_mib": _max_rss_mib(),
-    }
+    return _measure(step, num_warmup, num_steps, baseline_rss)
 
 
 def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
@@ -210,14 +217,7 @@ def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> Work
 
         model.zero_grad(set_to_none=True)
 
-    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
-
-    return {
-        "times": times,
-        "cpu_times": cpu_times,
-        "baseline_rss_mib": baseline_rss,
-        "peak_rss_mib": _max_rss_mib(),
-    }
+    return _measure(step, num_warmup, num_steps, baseline_rss)
 
 
 def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
