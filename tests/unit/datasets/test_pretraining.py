@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import socket
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -334,7 +335,7 @@ class TestPretrainingReader:
                 ByteTokenizer(), fake_gangs(0, 4), max_seq_len=48, max_num_tokens=100
             )
 
-    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("prefetch", [0, 8])
     def test_reader_reads_row_groups_incrementally(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefetch: int
     ) -> None:
@@ -357,20 +358,43 @@ class TestPretrainingReader:
 
         monkeypatch.setattr(pq.ParquetFile, "read_row_group", counting_read_row_group)
 
-        reader = PretrainingDataset([tmp_path]).create_reader(
-            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=256, max_num_tokens=255, prefetch=prefetch  # fmt: skip
-        )
+        def create_reader(prefetch: int) -> PretrainingReader:
+            return PretrainingDataset([tmp_path]).create_reader(
+                ByteTokenizer(), fake_gangs(0, 1), max_seq_len=256, max_num_tokens=255, prefetch=prefetch  # fmt: skip
+            )
+
+        if prefetch == 0:
+            expected_reads = 1
+        else:
+            # The background thread stops after the batch returned, the
+            # `prefetch` queued and one it holds while it waits for room: as
+            # many row groups as `prefetch + 2` batches read in the
+            # foreground.
+            foreground = create_reader(0)
+
+            for _ in range(prefetch + 2):
+                next(foreground)
+
+            expected_reads, num_reads = num_reads, 0
+
+            assert expected_reads > 1
+
+        reader = create_reader(prefetch)
 
         assert num_reads == 0
 
         next(reader)
 
-        if prefetch == 0:
-            assert num_reads == 1
-        else:
-            # At most the batch returned, `prefetch` queued and one waiting
-            # to be queued: 4 batches, which span at most 5 row groups.
-            assert 1 <= num_reads <= 5
+        # Give the background thread time to read ahead, and to read too much.
+        deadline = time.monotonic() + 10.0
+
+        while num_reads < expected_reads and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        if prefetch > 0:
+            time.sleep(0.5)
+
+        assert num_reads == expected_reads
 
         for _ in reader:
             pass
