@@ -58,8 +58,14 @@ def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path)
 
         assert fsdp[step]["Auxiliary Loss"] == pytest.approx(single[step]["Auxiliary Loss"], rel=1e-4), step
 
-        # Top-2: 2 when perfectly balanced, 16 when one expert takes all.
-        assert 1.0 < fsdp[step]["Auxiliary Loss"] < 16.0
+        # The loss is `E * sum_e f_e * P_e` (f_e: the assignments to expert
+        # e per token, summing to top-k; P_e: its mean routing probability).
+        # The router starts near uniform (weights of std 0.02) and moves
+        # little in six steps, so every P_e stays close to 1/E and the loss
+        # close to top-k = 2, however unevenly the tokens fall. A missing
+        # factor E (0.25), a sum over the two layers (4) or f summing to 1
+        # (1) is far off.
+        assert fsdp[step]["Auxiliary Loss"] == pytest.approx(2.0, abs=0.1), step
 
         assert fsdp[step]["Dropped Expert Assignments"] == 0
 
