@@ -13,6 +13,7 @@ from typing import Any, TextIO, cast, final
 
 from typing_extensions import override
 
+from fairseq2.assets import get_asset_download_manager
 from fairseq2.data import Collater
 from fairseq2.data.data_pipeline import SequenceData, read_sequence
 from fairseq2.data.tokenizers import Tokenizer
@@ -25,9 +26,15 @@ from fairseq2.metrics import MetricBag
 from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
 from fairseq2.recipe.base import RecipeContext
 from fairseq2.recipe.generator import GeneratorUnit
+from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.recipes.instruction import ChatEncoder, InstructionExample, InstructionSource
+from qwen35_fs2.recipes.instruction import (
+    ChatEncoder,
+    InstructionExample,
+    InstructionSource,
+    read_instruction_examples,
+)
 
 
 @dataclass(kw_only=True)
@@ -66,6 +73,47 @@ class PromptDatasetSection:
             )
 
         return result
+
+
+def read_prompt_examples(
+    section: PromptDatasetSection, *, require_response: bool
+) -> list[InstructionExample]:
+    """Reads the examples of ``section.sources``, the first
+    ``section.max_num_examples`` of them if set."""
+    examples = read_instruction_examples(
+        section.sources, get_asset_download_manager(), require_response=require_response
+    )
+
+    if section.max_num_examples is not None:
+        examples = examples[: section.max_num_examples]
+
+    return examples
+
+
+def create_response_task(
+    context: RecipeContext,
+    section: PromptDatasetSection,
+    examples: Sequence[InstructionExample],
+    unit_kls: type[ResponseUnit],
+    output_name: str,
+) -> Task:
+    """Returns the task that generates a response to each of ``examples``
+    with ``unit_kls``, writing to ``OUTPUT_DIR/<output_name>/``."""
+    tokenizer = context.get_tokenizer()
+
+    reader = create_prompt_reader(
+        examples,
+        tokenizer,
+        context.gangs,
+        batch_size=section.batch_size,
+        prefetch=section.prefetch,
+    )
+
+    unit = unit_kls(
+        context.get_seq_generator(), tokenizer, open_output_stream(context, output_name)
+    )
+
+    return context.create_generator(unit, reader)
 
 
 def create_prompt_reader(

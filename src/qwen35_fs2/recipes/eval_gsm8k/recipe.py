@@ -8,17 +8,20 @@ from typing import final
 
 from typing_extensions import override
 
-from fairseq2.assets import get_asset_download_manager
 from fairseq2.metrics import Mean, MetricBag, Sum
 from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.task import Task
 
+from qwen35_fs2.datasets.gsm8k import extract_gsm8k_answer
 from qwen35_fs2.recipes.common import register_lm_recipe_extras
 from qwen35_fs2.recipes.eval_gsm8k.config import EvalGsm8kConfig
-from qwen35_fs2.datasets.gsm8k import extract_gsm8k_answer
-from qwen35_fs2.recipes.generation import ResponseUnit, create_prompt_reader, open_output_stream
-from qwen35_fs2.recipes.instruction import InstructionDataError, read_instruction_examples
+from qwen35_fs2.recipes.generation import (
+    ResponseUnit,
+    create_response_task,
+    read_prompt_examples,
+)
+from qwen35_fs2.recipes.instruction import InstructionDataError
 
 
 @final
@@ -33,12 +36,7 @@ class EvalGsm8kRecipe(Recipe):
 
         section = config.dataset
 
-        download_manager = get_asset_download_manager()
-
-        examples = read_instruction_examples(section.sources, download_manager)
-
-        if section.max_num_examples is not None:
-            examples = examples[: section.max_num_examples]
+        examples = read_prompt_examples(section, require_response=True)
 
         # A reference without a final answer would count as a wrong answer.
         for example in examples:
@@ -47,21 +45,7 @@ class EvalGsm8kRecipe(Recipe):
                     f"The reference answer of example {example['id']} must end with a number (`#### <number>`), but has none."
                 )
 
-        tokenizer = context.get_tokenizer()
-
-        reader = create_prompt_reader(
-            examples,
-            tokenizer,
-            context.gangs,
-            batch_size=section.batch_size,
-            prefetch=section.prefetch,
-        )
-
-        unit = Gsm8kEvalUnit(
-            context.get_seq_generator(), tokenizer, open_output_stream(context, "gsm8k")
-        )
-
-        return context.create_generator(unit, reader)
+        return create_response_task(context, section, examples, Gsm8kEvalUnit, "gsm8k")
 
     @property
     @override

@@ -7,7 +7,6 @@ from typing import final
 
 from typing_extensions import override
 
-from fairseq2.assets import get_asset_download_manager
 from fairseq2.metrics import MetricBag
 from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.runtime.dependency import DependencyContainer
@@ -15,8 +14,11 @@ from fairseq2.task import Task
 
 from qwen35_fs2.recipes.common import register_lm_recipe_extras
 from qwen35_fs2.recipes.generate.config import GenerateConfig
-from qwen35_fs2.recipes.generation import ResponseUnit, create_prompt_reader, open_output_stream
-from qwen35_fs2.recipes.instruction import read_instruction_examples
+from qwen35_fs2.recipes.generation import (
+    ResponseUnit,
+    create_response_task,
+    read_prompt_examples,
+)
 
 
 @final
@@ -31,30 +33,9 @@ class GenerateRecipe(Recipe):
 
         section = config.dataset
 
-        download_manager = get_asset_download_manager()
+        examples = read_prompt_examples(section, require_response=False)
 
-        examples = read_instruction_examples(
-            section.sources, download_manager, require_response=False
-        )
-
-        if section.max_num_examples is not None:
-            examples = examples[: section.max_num_examples]
-
-        tokenizer = context.get_tokenizer()
-
-        reader = create_prompt_reader(
-            examples,
-            tokenizer,
-            context.gangs,
-            batch_size=section.batch_size,
-            prefetch=section.prefetch,
-        )
-
-        unit = GenerateUnit(
-            context.get_seq_generator(), tokenizer, open_output_stream(context, "generations")
-        )
-
-        return context.create_generator(unit, reader)
+        return create_response_task(context, section, examples, GenerateUnit, "generations")
 
     @property
     @override
