@@ -36,6 +36,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.data_type import DataType
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.hg import HuggingFaceConfig, HuggingFaceConverter
 from fairseq2.models.utils.checkpoint import convert_state_dict, create_reverse_key_map
 
@@ -50,6 +51,7 @@ from qwen35_fs2.models.hf import load_hf_config
 from qwen35_fs2.models.interop import convert_to_hg_state_dict
 from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
 from qwen35_fs2.models.moe_interop import _HG_MOE_KEY_MAP
+from qwen35_fs2.models.sharded_loading import SafetensorsTensor, index_safetensors
 
 EXPORTABLE_FAMILIES: Final = (QWEN35_FAMILY, QWEN35_MOE_FAMILY)
 """The model families whose checkpoints this package exports."""
@@ -108,19 +110,6 @@ _VISION_FILES: Final = (
     "processor_config.json",
 )
 
-_SAFETENSORS_DTYPES: Final = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 # The fields of `Qwen35Config` that decide tensor shapes and the layer
 # structure, with their Hugging Face names; a base must agree on all of them.
 _ARCHITECTURE_FIELDS: Final = (
@@ -158,16 +147,6 @@ class HfExportError(Exception):
 
 
 @final
-@dataclass(frozen=True)
-class _TensorEntry:
-    """Where a tensor of a repository is stored, and as what."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-@final
 class HfRepository:
     """A Hugging Face model directory: its ``config.json`` and the location,
     dtype and shape of each tensor, read from the safetensors headers.
@@ -176,7 +155,7 @@ class HfRepository:
     """
 
     def __init__(
-        self, path: Path, config: dict[str, object], tensors: dict[str, _TensorEntry]
+        self, path: Path, config: dict[str, object], tensors: dict[str, SafetensorsTensor]
     ) -> None:
         self.path = path
         self.config = config
@@ -196,30 +175,10 @@ class HfRepository:
         except (FileNotFoundError, ValueError) as ex:
             raise HfExportError(str(ex)) from None
 
-        tensors: dict[str, _TensorEntry] = {}
-
-        for file in _safetensors_files(path):
-            try:
-                with safe_open(file, framework="pt") as reader:
-                    for key in reader.keys():
-                        if key in tensors:
-                            raise HfExportError(
-                                f"`{key}` must be stored once in {path}, but is in both {tensors[key].file.name} and {file.name}."
-                            )
-
-                        tensor_slice = reader.get_slice(key)
-
-                        dtype = _SAFETENSORS_DTYPES.get(tensor_slice.get_dtype())
-                        if dtype is None:
-                            raise HfExportError(
-                                f"`{key}` in {file} has the unsupported safetensors dtype {tensor_slice.get_dtype()}."
-                            )
-
-                        tensors[key] = _TensorEntry(
-                            file, dtype, tuple(tensor_slice.get_shape())
-                        )
-            except (OSError, SafetensorError) as ex:
-                raise HfExportError(f"{file} cannot be read as safetensors: {ex}") from None
+        try:
+            tensors = index_safetensors(path, _safetensors_files(path))
+        except (CorruptModelCheckpointError, OSError) as ex:
+            raise HfExportError(str(ex)) from None
 
         return HfRepository(path, config, tensors)
 
@@ -315,7 +274,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 class _PlannedTensor:
     """A tensor of the export: taken from the model or copied from the base."""
 
-    source: Tensor | _TensorEntry
+    source: Tensor | SafetensorsTensor
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -403,7 +362,7 @@ def plan_hf_export(
         tensors[key] = _PlannedTensor(value, value.dtype, tuple(value.shape))
 
     # The base's entry of each tensor of the export.
-    base_entries: dict[str, _TensorEntry] = {}
+    base_entries: dict[str, SafetensorsTensor] = {}
 
     if base is not None:
         _check_architecture(base, config)
@@ -619,7 +578,7 @@ def _check_architecture(base: HfRepository, config: Qwen35Config) -> None:
 
 def _match_base_tensors(
     tensors: Mapping[str, _PlannedTensor], base: HfRepository, is_vlm: bool
-) -> dict[str, _TensorEntry]:
+) -> dict[str, SafetensorsTensor]:
     """Returns the entry of ``base`` for each of the model's tensors, checking
     that they are the same tensors in name and shape."""
     base_keys = {}
@@ -1147,7 +1106,7 @@ def _write_shards(plan: HfExportPlan, staging_dir: Path, max_shard_size: int) ->
 def _materialize(plan: HfExportPlan, keys: Sequence[str]) -> dict[str, Tensor]:
     """Returns the tensors of one shard on the CPU in their export dtypes,
     each in storage of its own as safetensors requires."""
-    copied_keys = [k for k in keys if isinstance(plan.tensors[k].source, _TensorEntry)]
+    copied_keys = [k for k in keys if isinstance(plan.tensors[k].source, SafetensorsTensor)]
 
     if copied_keys:
         if plan.base is None:

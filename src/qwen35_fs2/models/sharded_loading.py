@@ -31,7 +31,7 @@ import json
 import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -124,10 +124,17 @@ def _num_cols(shape: tuple[int, ...]) -> int:
     return shape[-1] if len(shape) > 1 else 1
 
 
-def index_safetensors(path: Path) -> dict[str, SafetensorsTensor]:
+def index_safetensors(
+    path: Path, files: Sequence[Path] | None = None
+) -> dict[str, SafetensorsTensor]:
     """Reads the headers of the safetensors files of the directory ``path``
-    (only the headers: no tensor data)."""
-    files = sorted(path.glob("*.safetensors"))
+    (only the headers: no tensor data).
+
+    :param files: The files to read; all ``*.safetensors`` files of ``path``
+        if ``None``.
+    """
+    if files is None:
+        files = sorted(path.glob("*.safetensors"))
 
     if not files:
         raise CorruptModelCheckpointError(
