@@ -52,33 +52,22 @@ def fla_gated_delta_rule(
         and any(t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
     )
 
-    if decoding:
-        # `beta` by keyword: the 5th positional parameter is `gk`.
-        o, final_state = fused_recurrent_gated_delta_rule(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm,
-            cu_seqlens=cu_seqlens,
-        )
-    else:
-        o, final_state = chunk_gated_delta_rule(
-            q,
-            k,
-            v,
-            g=g,
-            beta=beta,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm_in_kernel=use_qk_l2norm,
-            cu_seqlens=cu_seqlens,
-        )
+    kernel = fused_recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
+
+    # `beta` by keyword: the 5th positional parameter of the recurrent kernel
+    # is `gk`.
+    o, final_state = kernel(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
 
     # fla returns the output in the dtype of `q`.
     return o.to(v.dtype), final_state
