@@ -29,3 +29,4 @@ from .spec import ExpertLayout as ExpertLayout
 from .spec import LayerTypeName as LayerTypeName
 from .spec import ReferenceDtype as ReferenceDtype
 from .spec import TinyQwen35Spec as TinyQwen35Spec
+from .tensors import read_safetensors_dir as read_safetensors_dir

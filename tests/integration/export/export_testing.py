@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors import safe_open
 from torch import Tensor
 from torch.nn import Module
 
@@ -45,17 +44,6 @@ DENSE_VLM_WIDE = TinyQwen35Spec(layout="vlm", hidden_size=96, seed=5)
 ALL_SPECS = (DENSE_VLM, DENSE_VLM_BF16_TIED, DENSE_TEXT, MOE_VLM, MOE_TEXT_PER_EXPERT_BF16, DENSE_VLM_WIDE)
 
 INPUT_IDS = torch.tensor([[5, 9, 17, 3, 200, 11, 7, 42, 99, 1, 64, 128], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
-
-
-def read_tensors(model_dir: Path) -> dict[str, Tensor]:
-    tensors = {}
-
-    for file in model_dir.glob("*.safetensors"):
-        with safe_open(file, framework="pt") as reader:
-            for key in reader.keys():
-                tensors[key] = reader.get_tensor(key)
-
-    return tensors
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:

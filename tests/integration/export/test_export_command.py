@@ -23,8 +23,8 @@ from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 from fairseq2.utils.structured import ValueConverter
 
 import qwen35_fs2.export_cli as export_cli
-from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run, read_tensors
-from hf_reference import HfReferenceBatch, TinyQwen35Spec
+from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run
+from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2.export_cli import main
 from qwen35_fs2.models.hf_export import to_hg_state_dict
 from qwen35_fs2.models.config import qwen35_config_from_hf
@@ -65,8 +65,8 @@ def test_exports_the_fine_tuned_weights_of_the_latest_step_with_the_base_carried
 
     assert main([str(run_dir), str(tmp_path / "out")]) == 0
 
-    exported = read_tensors(tmp_path / "out")
-    base = read_tensors(base_dir)
+    exported = read_safetensors_dir(tmp_path / "out")
+    base = read_safetensors_dir(base_dir)
 
     assert exported.keys() == base.keys()
 
@@ -143,15 +143,15 @@ def test_exports_an_asset_card_and_takes_one_as_base(runs: dict[TinyQwen35Spec, 
     # The card's checkpoint is the base: the export reproduces it.
     export("tiny_qwen35_base", str(tmp_path / "card"))
 
-    expected = read_tensors(base_dir)
-    actual = read_tensors(tmp_path / "card")
+    expected = read_safetensors_dir(base_dir)
+    actual = read_safetensors_dir(tmp_path / "card")
 
     assert actual.keys() == expected.keys()
     assert all(torch.equal(actual[k], v) for k, v in expected.items())
 
     export(str(run_dir), str(tmp_path / "run"), "--base", "tiny_qwen35_base", "--step", "2")
 
-    assert read_tensors(tmp_path / "run").keys() == expected.keys()
+    assert read_safetensors_dir(tmp_path / "run").keys() == expected.keys()
     assert (tmp_path / "run" / "tokenizer.json").is_file()
 
 

@@ -16,9 +16,8 @@ from export_testing import (
     MOE_TEXT_PER_EXPERT_BF16,
     MOE_VLM,
     read_config,
-    read_tensors,
 )
-from hf_reference import TinyQwen35Spec
+from hf_reference import TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf, save_hf_model
 
 pytestmark = pytest.mark.slow
@@ -38,8 +37,8 @@ def test_export_reproduces_the_base_bit_for_bit(spec: TinyQwen35Spec, base_dirs:
 
     save_hf_model(load_hf_model(base_dir), tmp_path / "out", base=base_dir)
 
-    expected = read_tensors(base_dir)
-    actual = read_tensors(tmp_path / "out")
+    expected = read_safetensors_dir(base_dir)
+    actual = read_safetensors_dir(tmp_path / "out")
 
     assert actual.keys() == expected.keys(), f"Missing in round trip: {sorted(expected.keys() - actual.keys())}. Extra in round trip: {sorted(actual.keys() - expected.keys())}."
 

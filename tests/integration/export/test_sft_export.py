@@ -19,8 +19,8 @@ from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 
-from export_testing import read_config, read_tensors
-from hf_reference import TinyQwen35Spec, hf_greedy_generate
+from export_testing import read_config
+from hf_reference import TinyQwen35Spec, hf_greedy_generate, read_safetensors_dir
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2.models import get_qwen35_model_hub
 from qwen35_fs2.models.hf_export import to_hg_state_dict
@@ -154,10 +154,10 @@ def test_exports_the_fine_tuned_weights_in_the_base_layout(sft_run: tuple[Path, 
 
     model = _load_fine_tuned_model(run_dir)
 
-    base = read_tensors(base_dir)
+    base = read_safetensors_dir(base_dir)
 
     for name, out_dir in exports.items():
-        exported = read_tensors(out_dir)
+        exported = read_safetensors_dir(out_dir)
 
         assert exported.keys() == base.keys(), name
 

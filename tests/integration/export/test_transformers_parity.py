@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from export_testing import DENSE_VLM, DENSE_VLM_BF16_TIED, INPUT_IDS, MOE_VLM, fairseq2_logits, fine_tune, read_config, read_tensors
-from hf_reference import HfReferenceBatch, ModelClass, Pending, TinyQwen35Spec
+from export_testing import DENSE_VLM, DENSE_VLM_BF16_TIED, INPUT_IDS, MOE_VLM, fairseq2_logits, fine_tune, read_config
+from hf_reference import HfReferenceBatch, ModelClass, Pending, TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf, save_hf_model
 from qwen35_fs2.models.hf import load_hf_config
 
@@ -76,17 +76,17 @@ def test_text_only_and_base_less_exports_have_the_text_layout(results: dict[str,
     for case in ("dense-text-only", "dense-no-base", "moe-no-base-per-expert"):
         out_dir = results[case][0]
 
-        keys = read_tensors(out_dir).keys()
+        keys = read_safetensors_dir(out_dir).keys()
 
         assert not any(k.startswith(("model.visual.", "model.language_model.")) for k in keys), case
         assert "text_config" not in read_config(out_dir)
 
     # The MTP head is kept without the vision tower, but needs a base.
-    assert any(k.startswith("mtp.") for k in read_tensors(results["dense-text-only"][0]))
-    assert not any(k.startswith("mtp.") for k in read_tensors(results["dense-no-base"][0]))
+    assert any(k.startswith("mtp.") for k in read_safetensors_dir(results["dense-text-only"][0]))
+    assert not any(k.startswith("mtp.") for k in read_safetensors_dir(results["dense-no-base"][0]))
 
     # Per-expert tensors without a base, as transformers 5.24 writes them.
-    moe_keys = read_tensors(results["moe-no-base-per-expert"][0]).keys()
+    moe_keys = read_safetensors_dir(results["moe-no-base-per-expert"][0]).keys()
 
     assert "model.layers.0.mlp.experts.7.gate_proj.weight" in moe_keys
     assert "model.layers.0.mlp.experts.gate_up_proj" not in moe_keys

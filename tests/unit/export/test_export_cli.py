@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from safetensors import safe_open
-from torch import Tensor
 
 from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
 from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 
+from hf_reference import read_safetensors_dir
 import qwen35_fs2.export_cli as export_cli
 from qwen35_fs2.export_cli import (
     hand_over_fairseq2_hg_export,
@@ -29,17 +28,6 @@ from qwen35_fs2.export_cli import (
 )
 from qwen35_fs2.models import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.config import tiny_qwen35_config
-
-
-def _read_dir(path: Path) -> dict[str, Tensor]:
-    tensors = {}
-
-    for file in path.glob("*.safetensors"):
-        with safe_open(file, framework="pt") as reader:
-            for key in reader.keys():
-                tensors[key] = reader.get_tensor(key)
-
-    return tensors
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +71,7 @@ class TestMain:
     def test_exports_the_latest_step_of_a_run(self, run_dir: Path, tmp_path: Path) -> None:
         assert main([str(run_dir), str(tmp_path / "out")]) == 0
 
-        tensors = _read_dir(tmp_path / "out")
+        tensors = read_safetensors_dir(tmp_path / "out")
 
         assert torch.equal(tensors["model.norm.weight"], torch.full((64,), 4.0))
 
@@ -106,12 +94,12 @@ class TestMain:
 
         assert main(argv) == 0
 
-        assert torch.equal(_read_dir(tmp_path / "out")["model.norm.weight"], torch.full((64,), 2.0))
+        assert torch.equal(read_safetensors_dir(tmp_path / "out")["model.norm.weight"], torch.full((64,), 2.0))
 
     def test_writes_the_dtype_and_shard_size_asked_for(self, run_dir: Path, tmp_path: Path) -> None:
         assert main([str(run_dir), str(tmp_path / "out"), "--dtype", "bfloat16", "--max-shard-size", "50KB"]) == 0
 
-        tensors = _read_dir(tmp_path / "out")
+        tensors = read_safetensors_dir(tmp_path / "out")
 
         assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
         assert len(list((tmp_path / "out").glob("*.safetensors"))) > 2

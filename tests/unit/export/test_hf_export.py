@@ -20,7 +20,7 @@ from torch import Tensor
 from fairseq2.error import StateDictError
 from fairseq2.models.hg import get_hugging_face_converter
 
-from hf_reference import hf_reference_available, hf_reference_dir
+from hf_reference import hf_reference_available, hf_reference_dir, read_safetensors_dir
 from qwen35_fs2.models import (
     convert_qwen35_moe_state_dict,
     convert_qwen35_state_dict,
@@ -57,17 +57,6 @@ def _tensor(value: object) -> Tensor:
     assert isinstance(value, Tensor)
 
     return value
-
-
-def _read_dir(path: Path) -> dict[str, Tensor]:
-    tensors = {}
-
-    for file in path.glob("*.safetensors"):
-        with safe_open(file, framework="pt") as reader:
-            for key in reader.keys():
-                tensors[key] = reader.get_tensor(key)
-
-    return tensors
 
 
 def _make_vlm_base(
@@ -471,7 +460,7 @@ class TestWriteHfExport:
 
         save_hf_model(model, tmp_path / "out", base=tmp_path / "base")
 
-        out_tensors = _read_dir(tmp_path / "out")
+        out_tensors = read_safetensors_dir(tmp_path / "out")
 
         assert out_tensors.keys() == base_tensors.keys()
 
