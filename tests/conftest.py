@@ -3,8 +3,42 @@
 from __future__ import annotations
 
 import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 # A failing registration must fail the tests, not become a warning.
 os.environ.setdefault("FAIRSEQ2_EXTENSION_TRACE", "1")
 
 from hf_reference.fixtures import hf_tiny_models as hf_tiny_models  # noqa: E402
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """An empty directory nobody may write to: a read-only tmpfs for root,
+    whom file modes do not stop, a mode-0555 directory otherwise."""
+    path = tmp_path / "ro"
+
+    path.mkdir()
+
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+
+        try:
+            yield path
+        finally:
+            path.chmod(0o755)
+
+        return
+
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)], capture_output=True, text=True)
+
+    if mount.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mount.stderr.strip()}")
+
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)

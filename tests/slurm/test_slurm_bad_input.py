@@ -4,8 +4,7 @@ job that waits or hangs. These jobs never start Python, so they are fast."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import os
 import time
 from pathlib import Path
 
@@ -79,26 +78,20 @@ def test_output_dir_that_cannot_be_created(slurm_cluster: Cluster, tmp_path: Pat
     )
 
 
-def test_output_dir_that_is_not_writable(slurm_cluster: Cluster) -> None:
-    """The directory exists but belongs to root; the job runs as nobody. (Not
-    under pytest's tmp_path: nobody cannot enter it.)"""
-    base = Path(tempfile.mkdtemp(prefix="qwen35-slurm-nobody-"))
-    try:
-        base.chmod(0o755)
-        workdir = base / "logs"
-        workdir.mkdir(mode=0o777)
-        workdir.chmod(0o777)
-        out = base / "root-only"
-        out.mkdir(mode=0o755)
-        _expect_start_failure(
-            slurm_cluster,
-            workdir,
-            f"output directory {out} is not writable: Permission denied",
-            [*CPU_JOB, "--uid=nobody"],
-            {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(out)},
-        )
-    finally:
-        shutil.rmtree(base)
+def test_output_dir_that_is_not_writable(
+    slurm_cluster: Cluster, read_only_dir: Path, tmp_path: Path
+) -> None:
+    """The directory exists but cannot be written. (Not by a job running as
+    another user: it could not reach a checkout in a private directory, such
+    as one made by `mktemp -d`.)"""
+    reason = "Read-only file system" if os.geteuid() == 0 else "Permission denied"
+    _expect_start_failure(
+        slurm_cluster,
+        tmp_path,
+        f"output directory {read_only_dir} is not writable: {reason}",
+        CPU_JOB,
+        {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(read_only_dir)},
+    )
 
 
 def test_output_dir_in_use_by_a_running_job(slurm_cluster: Cluster, tmp_path: Path) -> None:
