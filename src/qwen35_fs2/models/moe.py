@@ -24,6 +24,7 @@ from fairseq2.nn.sharded import Sharded
 from fairseq2.ops.tensor_parallel import reduce, reduce_on_backward
 
 from qwen35_fs2.models.tp import check_tp_divisible, sum_gradient_over_tp
+from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
 
 ExpertDispatch = Literal["auto", "grouped_mm", "batched", "loop"]
 """
@@ -224,15 +225,14 @@ class RoutedExperts(Module, Sharded):
         else:
             function = _LoopedSwiGLUExperts
 
-        dtype = _compute_dtype(seqs)
+        dtype = autocast_dtype(seqs)
 
-        with torch.autocast(seqs.device.type, enabled=False):
-            output: Tensor = function.apply(  # type: ignore[no-untyped-call]
-                seqs.to(dtype),
-                self.gate_inner_proj.to(dtype),
-                self.output_proj.to(dtype),
-                group_sizes,
-            )
+        output: Tensor = function.apply(  # type: ignore[no-untyped-call]
+            seqs.to(dtype),
+            self.gate_inner_proj.to(dtype),
+            self.output_proj.to(dtype),
+            group_sizes,
+        )
 
         return output
 
@@ -280,8 +280,8 @@ class RoutedExperts(Module, Sharded):
         if torch.cuda.get_device_capability(seqs.device) < (9, 0):
             return "it needs a GPU of compute capability 9.0 (Hopper) or newer."
 
-        if _compute_dtype(seqs) != torch.bfloat16:
-            return f"it needs bf16 tokens, but they are {_compute_dtype(seqs)}."
+        if autocast_dtype(seqs) != torch.bfloat16:
+            return f"it needs bf16 tokens, but they are {autocast_dtype(seqs)}."
 
         # Rows of both operands must be 16-byte aligned.
         if self.model_dim % 8 != 0 or self.inner_dim % 8 != 0:
@@ -290,7 +290,7 @@ class RoutedExperts(Module, Sharded):
         return None
 
     def _forward_grouped_mm(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
-        dtype = _compute_dtype(seqs)
+        dtype = autocast_dtype(seqs)
 
         # Group ends; stays on the device, so no host synchronization.
         offsets = tokens_per_expert.cumsum(0, dtype=torch.int32)
@@ -335,6 +335,7 @@ class _GatherRows(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any, x: Tensor, index: Tensor, grad_index: Tensor, repeats: int
     ) -> Tensor:
@@ -345,6 +346,7 @@ class _GatherRows(torch.autograd.Function):
         return x.index_select(0, index)
 
     @staticmethod
+    @autocast_free
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
         (grad_index,) = ctx.saved_tensors
@@ -369,6 +371,7 @@ class _LoopedSwiGLUExperts(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any,
         seqs: Tensor,
@@ -400,6 +403,7 @@ class _LoopedSwiGLUExperts(torch.autograd.Function):
         return output
 
     @staticmethod
+    @autocast_free
     @once_differentiable
     def backward(
         ctx: Any, grad_output: Tensor
@@ -447,6 +451,7 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
     """
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any,
         seqs: Tensor,
@@ -475,6 +480,7 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
         return output.flatten(0, 1).index_select(0, rows)
 
     @staticmethod
+    @autocast_free
     @once_differentiable
     def backward(
         ctx: Any, grad_output: Tensor
@@ -936,16 +942,6 @@ def collect_moe_statistics(model: Module) -> MoeStatistics | None:
     )
 
     return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k)
-
-
-def _compute_dtype(seqs: Tensor) -> torch.dtype:
-    """Returns the dtype that autocast would compute a matmul of ``seqs`` in."""
-    device_type = seqs.device.type
-
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-
-    return seqs.dtype
 
 
 def _is_recomputing() -> bool:

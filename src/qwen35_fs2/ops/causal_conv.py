@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qwen35_fs2.ops.autocast import autocast_free
 from qwen35_fs2.ops.backend import GdnBackend
 from qwen35_fs2.ops.delta_rule.common import sequence_lengths
 from qwen35_fs2.ops.fla_kernels import fla_causal_conv1d
@@ -247,6 +248,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
     pre-activation in the backward."""
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any,
         x: Tensor,
@@ -273,6 +275,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         return y.reshape(x.shape), final_state
 
     @staticmethod
+    @autocast_free
     def backward(
         ctx: Any, dy: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:

@@ -34,6 +34,7 @@ from typing import Any, Final, final
 import torch
 from torch import Tensor
 
+from qwen35_fs2.ops.autocast import autocast_free
 from qwen35_fs2.ops.delta_rule.common import (
     check_delta_rule_inputs,
     compute_dtype,
@@ -486,6 +487,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     backward, which recomputes the rest from the inputs."""
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any,
         q: Tensor,
@@ -559,6 +561,7 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
+    @autocast_free
     def backward(
         ctx: Any, do: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:
