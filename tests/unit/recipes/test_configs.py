@@ -5,9 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_fs2 import cli
-
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+from recipes_testing import RECIPES_DIR, run_fairseq2
 
 # The recipe of each shipped config.
 CONFIGS = {
@@ -20,26 +18,13 @@ CONFIGS = {
 }
 
 
-def _fairseq2(capfd: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
-    """Runs the `fairseq2` command in this process; returns its exit code and
-    output."""
-    try:
-        returncode = cli.main(list(args))
-    except SystemExit as ex:
-        returncode = ex.code  # type: ignore[assignment]
-
-    captured = capfd.readouterr()
-
-    return returncode, captured.out + captured.err
-
-
 class TestShippedConfigs:
     def test_every_config_in_recipes_is_listed(self) -> None:
         assert sorted(p.name for p in RECIPES_DIR.glob("*.yaml")) == sorted(CONFIGS)
 
     @pytest.mark.parametrize("config", sorted(CONFIGS))
     def test_config_validates(self, capfd: pytest.CaptureFixture[str], config: str) -> None:
-        returncode, output = _fairseq2(capfd, "lm", CONFIGS[config], "--config", str(RECIPES_DIR / config), "--dump-config")
+        returncode, output = run_fairseq2(capfd, "lm", CONFIGS[config], "--config", str(RECIPES_DIR / config), "--dump-config")
 
         assert returncode == 0, output
 
@@ -67,7 +52,7 @@ class TestBadConfigs:
 
         config = RECIPES_DIR / "qwen35_tiny_gsm8k_cpu.yaml"
 
-        returncode, output = _fairseq2(capfd, "lm", "instruction_finetune", str(output_dir), "--config", str(config), "--no-rich", "--set", override)
+        returncode, output = run_fairseq2(capfd, "lm", "instruction_finetune", str(output_dir), "--config", str(config), "--no-rich", "--set", override)
 
         assert returncode == 2, output
 
@@ -81,7 +66,7 @@ class TestBadConfigs:
     def test_a_missing_pretraining_shard_directory_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
         config = RECIPES_DIR / "qwen35_tiny_pretrain_cpu.yaml"
 
-        returncode, output = _fairseq2(capfd, "lm", "train", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", "dataset.train.paths=[/no/such/shards]")
+        returncode, output = run_fairseq2(capfd, "lm", "train", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", "dataset.train.paths=[/no/such/shards]")
 
         assert returncode == 2, output
 

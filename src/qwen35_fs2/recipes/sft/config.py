@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fairseq2.recipe.config import (
-    ADAMW_OPTIMIZER,
     COSINE_ANNEALING_LR,
-    AdamWConfig,
     CommonSection,
     CosineAnnealingLRConfig,
     GangSection,
@@ -25,6 +23,7 @@ from fairseq2.utils.validation import ValidationResult
 from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
+from qwen35_fs2.recipes.optim import create_adamw_section
 
 
 @dataclass(kw_only=True)
@@ -143,11 +142,13 @@ class InstructionFinetuneConfig:
     )
 
     optimizer: OptimizerSection = field(
-        default_factory=lambda: OptimizerSection(
-            name=ADAMW_OPTIMIZER,
-            config=AdamWConfig(lr=1e-5, betas=(0.9, 0.95), weight_decay=0.1),
-        )
+        default_factory=lambda: create_adamw_section(lr=1e-5, weight_decay=0.1)
     )
+    """
+    AdamW; no weight decay for the parameters of
+    :data:`~qwen35_fs2.recipes.optim.NO_WEIGHT_DECAY_PARAMS` (the group in
+    ``config.groups``, kept when a configuration file sets other keys).
+    """
 
     lr_scheduler: LRSchedulerSection | None = field(
         default_factory=lambda: LRSchedulerSection(
