@@ -48,6 +48,26 @@ class TestGetBatchTargetMask:
 
         assert get_batch_target_mask(batch) is batch.target_mask
 
+    # Neither batch below has padding: their target mask is all that keeps
+    # the prompts of SFT examples out of the loss.
+    def test_returns_the_target_mask_of_a_padded_batch_of_equal_lengths(self) -> None:
+        target_mask = torch.tensor([[False, False, True, True], [False, True, True, True]])
+
+        batch = SequenceBatch(torch.ones(2, 4, dtype=torch.int64), [4, 4], target_mask=target_mask)
+
+        assert batch.padding == 0
+
+        assert get_batch_target_mask(batch) is target_mask
+
+    def test_returns_the_target_mask_of_a_packed_batch(self) -> None:
+        target_mask = torch.tensor([False, True, True, False, False, True])
+
+        batch = SequenceBatch(torch.ones(6, dtype=torch.int64), [3, 3], packed=True, target_mask=target_mask)
+
+        assert batch.padding == 0
+
+        assert get_batch_target_mask(batch) is target_mask
+
     def test_masks_the_padding_of_a_padded_batch(self) -> None:
         batch = SequenceBatch(torch.zeros(2, 4, dtype=torch.int64), [4, 2])
 

@@ -4,15 +4,15 @@ import torch
 from torch import Tensor
 
 from fairseq2.datasets import SequenceBatch
-from fairseq2.gang import create_fake_gangs
 from fairseq2.models.transformer_lm import TransformerLM
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
 from qwen35_fs2.models import create_qwen35_model
 from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
 from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
-from qwen35_fs2.recipes.instruction import ChatEncoder
-from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
+from qwen35_fs2.recipes.sft.dataset import SFTBatching
+
+from qwen35_sft_testing import read_one_sft_batch
 
 
 def _read_one_batch(tokenizer: Qwen35Tokenizer, batching: SFTBatching) -> SequenceBatch:
@@ -21,23 +21,7 @@ def _read_one_batch(tokenizer: Qwen35Tokenizer, batching: SFTBatching) -> Sequen
         for idx, e in enumerate(generate_synthetic_gsm8k(5, seed=4))
     ]
 
-    reader = create_sft_reader(
-        examples,
-        ChatEncoder(tokenizer),
-        create_fake_gangs(torch.device("cpu")),
-        batching,
-        pad_idx=ENDOFTEXT_IDX,
-        split_name="train",
-        shuffle_window=None,
-        seed=0,
-        prefetch=0,
-    )
-
-    batches = next(reader)
-
-    assert len(batches) == 1 and batches[0].num_examples == len(examples)
-
-    return batches[0]
+    return read_one_sft_batch(tokenizer, examples, batching)
 
 
 def _per_example_losses(model: TransformerLM, batch: SequenceBatch) -> Tensor:
