@@ -16,6 +16,7 @@ from fairseq2.models.transformer_lm import TransformerLMDecoderLayer
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
 from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 @final
@@ -65,13 +66,18 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
         attn_bias_cache: AttentionBiasCache,
         *,
         state_bag: IncrementalStateBag | None = None,
+        varlen: VarlenMetadata | None = None,
     ) -> Tensor:
+        """
+        :param varlen: The documents of a packed batch, made once per batch
+            by the decoder; made from ``seqs_layout`` if ``None``.
+        """
         residual = seqs
 
         seqs = self.self_attn_layer_norm(seqs)
 
         if self.linear_attn is not None:
-            seqs = self.linear_attn(seqs, seqs_layout, state_bag=state_bag)
+            seqs = self.linear_attn(seqs, seqs_layout, state_bag=state_bag, varlen=varlen)
         else:
             assert self.self_attn is not None
 

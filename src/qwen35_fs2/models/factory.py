@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from fairseq2.gang import get_current_gangs
 from fairseq2.models.transformer import (
     CausalAttentionBias,
     FeedForwardNetwork,
@@ -14,12 +13,7 @@ from fairseq2.models.transformer import (
     TransformerFrontend,
     create_default_sdpa,
 )
-from fairseq2.models.transformer_lm import (
-    StandardTransformerLMDecoder,
-    TransformerLM,
-    TransformerLMDecoder,
-    TransformerLMDecoderLayer,
-)
+from fairseq2.models.transformer_lm import TransformerLM, TransformerLMDecoder
 from fairseq2.nn import (
     ColumnShardedLinear,
     Embedding,
@@ -34,13 +28,13 @@ from fairseq2.nn import (
 
 from qwen35_fs2.models.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, check_config
+from qwen35_fs2.models.decoder import Qwen35Decoder
 from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.loss import install_chunked_lm_loss
 from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.models.rotary import PartialRotaryEncoder
 from qwen35_fs2.models.tp import TiedVocabShardedProjection
-from qwen35_fs2.ops import GdnBackend, resolve_gdn_backend
 
 
 def create_qwen35_model(config: Qwen35Config) -> TransformerLM:
@@ -106,7 +100,7 @@ class Qwen35Factory:
 
         layer_norm = self.create_layer_norm()
 
-        return StandardTransformerLMDecoder(layers, layer_norm)
+        return Qwen35Decoder(layers, layer_norm)
 
     def create_position_encoder(self) -> PositionEncoder:
         config = self._config
@@ -117,7 +111,7 @@ class Qwen35Factory:
 
     def create_decoder_layer(
         self, layer_idx: int, pos_encoder: PositionEncoder
-    ) -> TransformerLMDecoderLayer:
+    ) -> Qwen35DecoderLayer:
         config = self._config
 
         layer_type = config.get_layer_types()[layer_idx]
@@ -167,16 +161,9 @@ class Qwen35Factory:
             config.linear_value_head_dim,
             config.linear_conv_kernel_size,
             norm_eps=config.rms_norm_eps,
-            backend=self.resolve_gdn_backend(),
+            backend=config.gdn_backend,
             proj_init_fn=self._init_projection,
         )
-
-    def resolve_gdn_backend(self) -> GdnBackend:
-        """Resolves ``config.gdn_backend`` for the device the model will run
-        on (the model itself may be on the meta device while it is built)."""
-        device = get_current_gangs().root.device
-
-        return resolve_gdn_backend(self._config.gdn_backend, device)
 
     def create_ffn(self, layer_idx: int) -> FeedForwardNetwork:
         config = self._config

@@ -26,7 +26,8 @@ from fairseq2.nn.sharded import Sharded
 
 from qwen35_fs2.models.normalization import GatedRMSNorm
 from qwen35_fs2.models.tp import call_with_tp_summed_gradients, check_tp_divisible
-from qwen35_fs2.ops import GdnBackend, causal_conv1d, gated_delta_rule
+from qwen35_fs2.ops import GdnBackendRequest, causal_conv1d, gated_delta_rule, resolve_gdn_backend
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 @final
@@ -69,7 +70,7 @@ class GatedDeltaNet(Module, Sharded):
         conv_kernel_size: int,
         *,
         norm_eps: float = 1e-6,
-        backend: GdnBackend = "torch",
+        backend: GdnBackendRequest = "torch",
         proj_init_fn: Callable[[Linear], None] | None = None,
         gangs: Gangs | None = None,
         device: Device | None = None,
@@ -93,7 +94,7 @@ class GatedDeltaNet(Module, Sharded):
         self.num_value_heads = num_value_heads
         self.key_head_dim = key_head_dim
         self.value_head_dim = value_head_dim
-        self.backend: GdnBackend = backend
+        self.backend: GdnBackendRequest = backend
 
         self.tp_gang = tp_gang
 
@@ -169,21 +170,32 @@ class GatedDeltaNet(Module, Sharded):
         seqs_layout: BatchLayout,
         *,
         state_bag: IncrementalStateBag | None = None,
+        varlen: VarlenMetadata | None = None,
     ) -> Tensor:
         """
         :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
+        :param varlen: The documents of a packed batch (the decoder makes
+            them once per batch); made from ``seqs_layout`` if ``None``.
 
         :returns: *Shape:* Same as ``seqs``.
         """
         incremental = not self.training and state_bag is not None
 
+        backend = resolve_gdn_backend(self.backend, seqs.device)
+
         if seqs_layout.packed:
-            cu_seqlens = self._get_cu_seqlens(seqs, seqs_layout)
+            if seqs.ndim != 2 or seqs.size(0) != seqs_layout.width:
+                raise ValueError(
+                    f"`seqs` must be of shape (T={seqs_layout.width}, M) to match its packed layout, but is of shape {tuple(seqs.shape)} instead."
+                )
+
+            if varlen is None:
+                varlen = VarlenMetadata.from_batch_layout(seqs_layout, seqs.device)
 
             # (T, M) -> (1, T, M)
             x = seqs.unsqueeze(0)
         else:
-            cu_seqlens = None
+            varlen = None
 
             x = seqs
 
@@ -207,7 +219,7 @@ class GatedDeltaNet(Module, Sharded):
 
         qkv, conv_state = self.conv1d(
             qkv,
-            cu_seqlens=cu_seqlens,
+            varlen=varlen,
             initial_state=None if state is None else state.conv_state,
             output_final_state=incremental,
         )
@@ -244,10 +256,10 @@ class GatedDeltaNet(Module, Sharded):
             v,
             g,
             beta,
-            backend=self.backend,
+            backend=backend,
             initial_state=None if state is None else state.recurrent_state,
             output_final_state=incremental,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=varlen,
         )
 
         # (N, S, V) -> (N, S, HV, D_v)
@@ -268,28 +280,6 @@ class GatedDeltaNet(Module, Sharded):
             output = output.squeeze(0)
 
         return output
-
-    @staticmethod
-    def _get_cu_seqlens(seqs: Tensor, seqs_layout: BatchLayout) -> Tensor:
-        """Returns the document offsets of a packed batch, the padded tail (if
-        any) being a document of its own.
-
-        A fresh tensor on every call: fla caches varlen helpers by tensor
-        identity, and activation-checkpoint recomputation must not reuse them.
-        """
-        if seqs.ndim != 2 or seqs.size(0) != seqs_layout.width:
-            raise ValueError(
-                f"`seqs` must be of shape (T={seqs_layout.width}, M) to match its packed layout, but is of shape {tuple(seqs.shape)} instead."
-            )
-
-        offsets = seqs_layout.seq_begin_indices_pt.to(device=seqs.device, dtype=torch.int64)
-
-        if seqs_layout.padded:
-            tail = offsets.new_full((1,), seqs_layout.width)
-
-            return torch.cat([offsets, tail])
-
-        return offsets.clone()
 
     @override
     def get_shard_dims(self) -> list[tuple[Parameter, int]]:
@@ -326,7 +316,7 @@ class CausalDepthwiseConv1d(Module, Sharded):
         num_channels: int,
         kernel_size: int,
         *,
-        backend: GdnBackend = "torch",
+        backend: GdnBackendRequest = "torch",
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
@@ -334,7 +324,7 @@ class CausalDepthwiseConv1d(Module, Sharded):
 
         self.num_channels = num_channels
         self.kernel_size = kernel_size
-        self.backend: GdnBackend = backend
+        self.backend: GdnBackendRequest = backend
 
         self.weight = Parameter(
             torch.empty((num_channels, 1, kernel_size), device=device, dtype=dtype)
@@ -349,12 +339,13 @@ class CausalDepthwiseConv1d(Module, Sharded):
         self,
         x: Tensor,
         *,
-        cu_seqlens: Tensor | None = None,
+        varlen: VarlenMetadata | None = None,
         initial_state: Tensor | None = None,
         output_final_state: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """
         :param x: *Shape:* :math:`(N,S,C)`.
+        :param varlen: The documents of ``x`` if packed (``N`` is 1).
 
         :returns: ``silu(conv(x))`` and, if requested, the last ``W - 1``
             inputs of each sequence.
@@ -365,8 +356,8 @@ class CausalDepthwiseConv1d(Module, Sharded):
             activation="silu",
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
-            backend=self.backend,
+            cu_seqlens=varlen,
+            backend=resolve_gdn_backend(self.backend, x.device),
         )
 
     @override

@@ -13,8 +13,7 @@ from fairseq2.data_type import DataType
 from fairseq2.device import Device
 from fairseq2.nn import LayerNorm
 
-from qwen35_fs2.ops import GdnBackend, gated_rms_norm
-
+from qwen35_fs2.ops import GdnBackendRequest, gated_rms_norm, resolve_gdn_backend
 
 
 @final
@@ -76,7 +75,7 @@ class GatedRMSNorm(Module):
         dim: int,
         *,
         eps: float = 1e-6,
-        backend: GdnBackend = "torch",
+        backend: GdnBackendRequest = "torch",
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
@@ -84,7 +83,7 @@ class GatedRMSNorm(Module):
 
         self.dim = dim
         self.eps = eps
-        self.backend: GdnBackend = backend
+        self.backend: GdnBackendRequest = backend
 
         self.weight = Parameter(torch.empty((dim,), device=device, dtype=dtype))
 
@@ -98,7 +97,9 @@ class GatedRMSNorm(Module):
         :param x: The input. *Shape:* :math:`(*,D)`.
         :param gate: The gate. *Shape:* Same as ``x``.
         """
-        return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
+        backend = resolve_gdn_backend(self.backend, x.device)
+
+        return gated_rms_norm(x, gate, self.weight, self.eps, backend=backend)
 
     @override
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ from qwen35_fs2.ops.autocast import autocast_free
 from qwen35_fs2.ops.backend import GdnBackend
 from qwen35_fs2.ops.delta_rule.common import sequence_lengths
 from qwen35_fs2.ops.fla_kernels import fla_causal_conv1d
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 def causal_conv1d(
@@ -22,7 +23,7 @@ def causal_conv1d(
     activation: Literal["silu"] | None = "silu",
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | VarlenMetadata | None = None,
     backend: GdnBackend = "torch",
 ) -> tuple[Tensor, Tensor | None]:
     """Convolves every channel of ``x`` with its own causal kernel.
@@ -31,7 +32,9 @@ def causal_conv1d(
     the start of a sequence come from ``initial_state`` (zeros if ``None``).
 
     The PyTorch path keeps only its input for the backward (it recomputes
-    the pre-activation); with ``cu_seqlens`` it reads the offsets on the host.
+    the pre-activation). Given as a tensor, ``cu_seqlens`` is read on the host
+    (a device synchronization); given as :class:`VarlenMetadata`, its host
+    copy is used and the gather indices are built once per metadata.
 
     :param x: The input of shape ``[B, T, D]``.
     :param weight: The kernels of shape ``[D, W]``.
@@ -68,7 +71,11 @@ def causal_conv1d(
             f"The batch size must be 1 when `cu_seqlens` is given, but is {batch_size} instead."
         )
 
-    num_seqs = batch_size if cu_seqlens is None else cu_seqlens.numel() - 1
+    varlen = None if cu_seqlens is None else VarlenMetadata.of(cu_seqlens)
+
+    lengths = sequence_lengths(batch_size, seq_len, varlen)
+
+    num_seqs = len(lengths)
 
     state_shape = (num_seqs, dim, width - 1)
 
@@ -84,18 +91,18 @@ def causal_conv1d(
             activation=activation,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
+            varlen=varlen,
         )
 
     if backend != "torch":
         raise ValueError(f"`backend` must be 'torch' or 'fla', but is '{backend}' instead.")
 
-    if cu_seqlens is None:
+    if varlen is None:
         layout = _HistoryLayout.regular(seq_len, width)
     else:
-        lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
-
-        layout = _HistoryLayout.packed(lengths, width, x.device)
+        layout = varlen.derived(
+            ("conv_history", width, x.device), lambda: _HistoryLayout.packed(lengths, width, x.device)
+        )
 
     y, final_state = _CausalConv1dFunction.apply(  # type: ignore[no-untyped-call]
         x, weight, initial_state, activation == "silu", output_final_state, layout

@@ -1,13 +1,17 @@
-"""Thin wrappers over fla-core 0.6.0's CUDA kernels (and Dao-AILab's
+"""Thin wrappers over fla-core 0.6.0's Triton kernels (and Dao-AILab's
 ``causal_conv1d``), with the conventions of the PyTorch kernels.
 
 fla is imported inside the functions: importing it is slow, and it must not
 happen unless the ``fla`` backend was chosen.
 
-fla caches its variable-length helpers (chunk indices) by the identity of the
-``cu_seqlens`` tensor. These wrappers pass it a fresh copy on every call, so a
-recomputation (activation checkpointing) or a caller reusing a buffer in place
-can never read helpers built for other offsets.
+fla derives index tensors from the document offsets of a packed batch (chunk
+indices, sequence ids) and caches them by the identity of its arguments
+(``fla.utils.tensor_cache``: the last few calls of each helper). The
+wrappers pass it the offsets of :class:`VarlenMetadata`, device and host
+copies, which the model makes once per batch and never modifies: every layer
+of a forward pass, its backward pass and activation-checkpoint recomputation
+then hit the same cache entries, and with the host copy fla sizes its chunk
+layout without reading the device.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from qwen35_fs2.ops.backend import has_causal_conv1d
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 def fla_gated_delta_rule(
@@ -31,7 +36,7 @@ def fla_gated_delta_rule(
     scale: float | None,
     initial_state: Tensor | None,
     output_final_state: bool,
-    cu_seqlens: Tensor | None,
+    varlen: VarlenMetadata | None,
     use_qk_l2norm: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """Runs fla's chunked kernel, or its fused recurrent one to decode a single
@@ -41,9 +46,6 @@ def fla_gated_delta_rule(
         fused_recurrent_gated_delta_rule,
     )
 
-    if cu_seqlens is not None:
-        cu_seqlens = _fresh_offsets(cu_seqlens)
-
     if initial_state is not None:
         initial_state = initial_state.float()
 
@@ -51,6 +53,15 @@ def fla_gated_delta_rule(
         torch.is_grad_enabled()
         and any(t.requires_grad for t in (q, k, v, g, beta, initial_state) if t is not None)
     )
+
+    varlen_kwargs: dict[str, Tensor] = {}
+
+    if varlen is not None:
+        varlen_kwargs["cu_seqlens"] = varlen.cu_seqlens
+
+        # The recurrent kernel takes no host copy.
+        if not decoding:
+            varlen_kwargs["cu_seqlens_cpu"] = varlen.cu_seqlens_cpu
 
     kernel = fused_recurrent_gated_delta_rule if decoding else chunk_gated_delta_rule
 
@@ -66,7 +77,7 @@ def fla_gated_delta_rule(
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
-        cu_seqlens=cu_seqlens,
+        **varlen_kwargs,
     )
 
     # fla returns the output in the dtype of `q`.
@@ -80,7 +91,7 @@ def fla_causal_conv1d(
     activation: Literal["silu"] | None,
     initial_state: Tensor | None,
     output_final_state: bool,
-    cu_seqlens: Tensor | None,
+    varlen: VarlenMetadata | None,
 ) -> tuple[Tensor, Tensor | None]:
     """Runs Dao-AILab's ``causal_conv1d_fn`` when installed and no state is
     involved (training), fla's Triton kernel otherwise.
@@ -89,12 +100,9 @@ def fla_causal_conv1d(
     ``W`` of them ``[N, D, W]`` and never read the first.
     """
     if initial_state is None and not output_final_state and has_causal_conv1d():
-        return _dao_causal_conv1d(x, weight, activation, cu_seqlens), None
+        return _dao_causal_conv1d(x, weight, activation, varlen), None
 
     from fla.modules.causal_conv1d import causal_conv1d  # type: ignore[import-untyped]
-
-    if cu_seqlens is not None:
-        cu_seqlens = _fresh_offsets(cu_seqlens)
 
     if initial_state is not None:
         initial_state = F.pad(initial_state.to(x.dtype), (1, 0))
@@ -106,7 +114,8 @@ def fla_causal_conv1d(
         output_final_state=output_final_state,
         activation=activation,
         backend="triton",
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=None if varlen is None else varlen.cu_seqlens,
+        cu_seqlens_cpu=None if varlen is None else varlen.cu_seqlens_cpu,
     )
 
     if final_state is not None:
@@ -116,18 +125,14 @@ def fla_causal_conv1d(
 
 
 def _dao_causal_conv1d(
-    x: Tensor, weight: Tensor, activation: Literal["silu"] | None, cu_seqlens: Tensor | None
+    x: Tensor, weight: Tensor, activation: Literal["silu"] | None, varlen: VarlenMetadata | None
 ) -> Tensor:
     from causal_conv1d import causal_conv1d_fn  # type: ignore[import-not-found]
 
     seq_idx: Tensor | None = None
 
-    if cu_seqlens is not None:
-        positions = torch.arange(x.size(1), device=x.device, dtype=cu_seqlens.dtype)
-
-        # (1, T): the document of every token, as int32.
-        seq_idx = torch.searchsorted(cu_seqlens[1:], positions, right=True)
-        seq_idx = seq_idx.to(torch.int32).unsqueeze(0)
+    if varlen is not None:
+        seq_idx = varlen.derived(("dao_seq_idx", x.device), lambda: _document_ids(varlen, x.device))
 
     # `seq_idx` needs channel-last inputs: (B, T, D) seen as (B, D, T).
     y: Tensor = causal_conv1d_fn(
@@ -150,5 +155,10 @@ def fla_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> T
     return y
 
 
-def _fresh_offsets(cu_seqlens: Tensor) -> Tensor:
-    return cu_seqlens.to(dtype=torch.int64, copy=True)
+def _document_ids(varlen: VarlenMetadata, device: torch.device) -> Tensor:
+    """``(1, T)``: the document of every token, as int32."""
+    lengths = torch.tensor(varlen.lengths, dtype=torch.int64)
+
+    seq_idx = torch.repeat_interleave(torch.arange(varlen.num_seqs), lengths)
+
+    return seq_idx.to(device=device, dtype=torch.int32).unsqueeze(0)

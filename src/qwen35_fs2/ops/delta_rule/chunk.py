@@ -41,6 +41,7 @@ from qwen35_fs2.ops.delta_rule.common import (
     l2_inverse_norm,
     sequence_lengths,
 )
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 _MIN_FP32_EXPONENT: Final = -30.0
 
@@ -55,7 +56,7 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | VarlenMetadata | None = None,
     use_qk_l2norm: bool = True,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor | None]:
@@ -66,8 +67,11 @@ def chunk_gated_delta_rule(
     two documents), so nothing leaks from one document to the next.
 
     Under ``torch.compile``, a regular batch traces into one graph; with
-    ``cu_seqlens``, the offsets are read on the host (a graph break) and the
-    graph specializes on the number of chunks of every document.
+    ``cu_seqlens``, the graph specializes on the number of chunks of every
+    document. Given as a tensor, ``cu_seqlens`` is read on the host (a device
+    synchronization, and a graph break); given as :class:`VarlenMetadata`,
+    its host copy is used, and the chunk layout is built once per metadata
+    (once per batch for all layers of a model).
 
     :param chunk_size: The number of tokens solved together; 64 matches fla
         (32 is a few percent faster on CPU, but loops twice as often).
@@ -90,9 +94,14 @@ def chunk_gated_delta_rule(
     if cu_seqlens is None:
         layout = _ChunkLayout.regular(batch_size, seq_len, chunk_size)
     else:
-        lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
+        varlen = VarlenMetadata.of(cu_seqlens)
 
-        layout = _ChunkLayout.packed(lengths, chunk_size, q.device)
+        lengths = sequence_lengths(batch_size, seq_len, varlen)
+
+        layout = varlen.derived(
+            ("delta_rule_chunks", chunk_size, q.device),
+            lambda: _ChunkLayout.packed(lengths, chunk_size, q.device),
+        )
 
     if layout.num_chunks == 0:
         return _empty_outputs(v, initial_state, output_final_state, layout.num_seqs, key_dim)

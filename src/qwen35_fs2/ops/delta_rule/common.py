@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from qwen35_fs2.ops.varlen import VarlenMetadata
+
 
 def l2_normalize(x: Tensor) -> Tensor:
     """Divides by ``sqrt(sum(x^2) + 1e-6)`` over the last dimension.
@@ -40,31 +42,19 @@ def compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def sequence_lengths(
-    batch_size: int, seq_len: int, cu_seqlens: Tensor | None
+    batch_size: int, seq_len: int, varlen: VarlenMetadata | None
 ) -> list[int]:
-    """Returns the length of every sequence of the batch.
-
-    With ``cu_seqlens`` this reads the offsets on the host (a device sync, and
-    a graph break under ``torch.compile``); without, it only uses shapes.
-    """
-    if cu_seqlens is None:
+    """Returns the length of every sequence of the batch, from host data
+    only."""
+    if varlen is None:
         return [seq_len] * batch_size
 
-    offsets = [int(offset) for offset in cu_seqlens.tolist()]
-
-    if offsets[0] != 0 or offsets[-1] != seq_len:
+    if varlen.num_tokens != seq_len:
         raise ValueError(
-            f"`cu_seqlens` must start at 0 and end at the sequence length T={seq_len}, but starts at {offsets[0]} and ends at {offsets[-1]} instead."
+            f"`cu_seqlens` must start at 0 and end at the sequence length T={seq_len}, but ends at {varlen.num_tokens} instead."
         )
 
-    lengths = [end - begin for begin, end in zip(offsets[:-1], offsets[1:])]
-
-    if min(lengths) < 0:
-        raise ValueError(
-            f"`cu_seqlens` must be non-decreasing, but is {offsets} instead."
-        )
-
-    return lengths
+    return list(varlen.lengths)
 
 
 def check_delta_rule_inputs(
@@ -74,7 +64,7 @@ def check_delta_rule_inputs(
     g: Tensor,
     beta: Tensor,
     initial_state: Tensor | None,
-    cu_seqlens: Tensor | None,
+    cu_seqlens: Tensor | VarlenMetadata | None,
 ) -> None:
     """Raises a :class:`ValueError` naming the first inconsistent shape."""
     if q.ndim != 4 or k.shape != q.shape:
@@ -109,17 +99,20 @@ def check_delta_rule_inputs(
                 f"The batch size must be 1 when `cu_seqlens` is given, but is {batch_size} instead."
             )
 
-        if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"`cu_seqlens` must be a 1-D tensor of at least 2 offsets, but has shape {tuple(cu_seqlens.shape)} instead."
-            )
+        if isinstance(cu_seqlens, VarlenMetadata):
+            num_seqs = cu_seqlens.num_seqs
+        else:
+            if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
+                raise ValueError(
+                    f"`cu_seqlens` must be a 1-D tensor of at least 2 offsets, but has shape {tuple(cu_seqlens.shape)} instead."
+                )
 
-        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-            raise ValueError(
-                f"`cu_seqlens` must be an integer tensor, but is of type {cu_seqlens.dtype} instead."
-            )
+            if cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
+                raise ValueError(
+                    f"`cu_seqlens` must be an integer tensor, but is of type {cu_seqlens.dtype} instead."
+                )
 
-        num_seqs = cu_seqlens.numel() - 1
+            num_seqs = cu_seqlens.numel() - 1
     else:
         num_seqs = batch_size
 

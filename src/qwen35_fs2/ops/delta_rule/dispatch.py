@@ -7,9 +7,10 @@ from torch import Tensor
 
 from qwen35_fs2.ops.backend import GdnBackend
 from qwen35_fs2.ops.delta_rule.chunk import chunk_gated_delta_rule
-from qwen35_fs2.ops.delta_rule.common import check_delta_rule_inputs
+from qwen35_fs2.ops.delta_rule.common import check_delta_rule_inputs, sequence_lengths
 from qwen35_fs2.ops.delta_rule.recurrent import recurrent_gated_delta_rule
 from qwen35_fs2.ops.fla_kernels import fla_gated_delta_rule
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 def gated_delta_rule(
@@ -23,7 +24,7 @@ def gated_delta_rule(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | VarlenMetadata | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Computes the gated delta rule with the kernels of ``backend``.
@@ -31,8 +32,9 @@ def gated_delta_rule(
     ``torch`` runs :func:`chunk_gated_delta_rule`, or, to decode one token
     from a state, :func:`recurrent_gated_delta_rule`. ``fla`` runs fla-core's
     ``chunk_gated_delta_rule`` (``fused_recurrent_gated_delta_rule`` to decode
-    one token without gradients); it checks shapes but, to avoid a device
-    sync, not the values of ``cu_seqlens``.
+    one token without gradients). Both check the offsets against the
+    sequence length on the host: pass :class:`VarlenMetadata` to avoid
+    reading a ``cu_seqlens`` tensor back from the device.
 
     Pass the backend :func:`resolve_gdn_backend` returned at construction.
     The arguments are those of :func:`recurrent_gated_delta_rule`; ``q`` and
@@ -40,6 +42,10 @@ def gated_delta_rule(
     H)``, never repeat them).
     """
     check_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+
+    varlen = None if cu_seqlens is None else VarlenMetadata.of(cu_seqlens)
+
+    sequence_lengths(q.size(0), q.size(1), varlen)
 
     if backend == "fla":
         return fla_gated_delta_rule(
@@ -51,7 +57,7 @@ def gated_delta_rule(
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens,
+            varlen=varlen,
             use_qk_l2norm=use_qk_l2norm,
         )
 
@@ -72,6 +78,6 @@ def gated_delta_rule(
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
+        cu_seqlens=varlen,
         use_qk_l2norm=use_qk_l2norm,
     )

@@ -13,6 +13,7 @@ from qwen35_fs2.ops.delta_rule.common import (
     l2_normalize,
     sequence_lengths,
 )
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 def recurrent_gated_delta_rule(
@@ -25,7 +26,7 @@ def recurrent_gated_delta_rule(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
+    cu_seqlens: Tensor | VarlenMetadata | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Computes the gated delta rule one token at a time, in fp32 (fp64 for
@@ -59,7 +60,9 @@ def recurrent_gated_delta_rule(
 
     num_v_heads, value_dim = v.shape[2], v.shape[3]
 
-    lengths = sequence_lengths(batch_size, seq_len, cu_seqlens)
+    varlen = None if cu_seqlens is None else VarlenMetadata.of(cu_seqlens)
+
+    lengths = sequence_lengths(batch_size, seq_len, varlen)
 
     if scale is None:
         scale = key_dim**-0.5
