@@ -12,7 +12,12 @@ import pytest
 # A failing registration must fail the tests, not become a warning.
 os.environ.setdefault("FAIRSEQ2_EXTENSION_TRACE", "1")
 
+from fla_interpreter import use_triton_interpreter_without_cuda  # noqa: E402
 from hf_reference.fixtures import hf_tiny_models as hf_tiny_models  # noqa: E402
+
+# Without a GPU, fla's kernels run under Triton's interpreter; this must
+# happen before anything imports fla.
+use_triton_interpreter_without_cuda()
 
 
 @pytest.fixture

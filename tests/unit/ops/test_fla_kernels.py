@@ -1,4 +1,6 @@
-"""The ``fla`` backend against the ``torch`` one (CUDA only)."""
+"""The ``fla`` backend against the ``torch`` one: on CUDA, or, without a GPU,
+on the CPU under Triton's interpreter (fp32 and small shapes there; see
+``tests/fla_interpreter.py``)."""
 
 from __future__ import annotations
 
@@ -6,23 +8,29 @@ import pytest
 import torch
 from torch import Tensor
 
+from fla_interpreter import fla_test_device
 from qwen35_fs2.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, resolve_gdn_backend
 from qwen35_fs2.ops.backend import fla_unavailable_reason
 
 from .helpers import DeltaRuleInputs, assert_close, cu_seqlens_of, make_delta_rule_inputs
 
+DEVICE = fla_test_device()
+
+ON_CUDA = DEVICE is not None and DEVICE.type == "cuda"
+
 pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="the fla kernels need a CUDA device"),
+    pytest.mark.skipif(DEVICE is None, reason="the fla kernels need a CUDA device or Triton's interpreter"),
+    # `pytest -m cuda` selects them on a GPU machine.
+    *([pytest.mark.cuda] if ON_CUDA else []),
+    # The interpreter also evaluates masked-out lanes, which may overflow.
+    pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
 ]
 
-CUDA = torch.device("cuda")
-
 # Per-tensor RMS error ratios of fla against our fp32 kernel, those of fla's
-# own tests (`tests/ops/test_gdn.py`), 3x for bf16 inputs: fla rounds its
-# intra-chunk products (to bf16, or tf32 for fp32 inputs) and we do not.
-# Misuse of fla's API (argument order, grouped heads, offsets) gives errors of
-# order 1.
+# own tests (`tests/ops/test_gdn.py`), 3x for bf16 inputs: on CUDA fla rounds
+# its intra-chunk products (to bf16, or tf32 for fp32 inputs) and we do not.
+# Under the interpreter both compute in fp32 and agree to 1e-6. Misuse of
+# fla's API (argument order, grouped heads, offsets) gives errors of order 1.
 TOLERANCES = {
     "o": 5e-3,
     "ht": 5e-3,
@@ -34,6 +42,18 @@ TOLERANCES = {
     "dh0": 8e-3,
 }
 
+INTERPRETER_RATIO = 1e-4
+
+# (B, T, H, HV, K, V): the GPU runs the released head size (64 here, 128 in
+# the layer tests), the interpreter (one Python program at a time) tiny ones.
+PADDED_SHAPE = (2, 500, 2, 4, 64, 64) if ON_CUDA else (2, 130, 2, 4, 16, 16)
+
+PACKED_LENGTHS = [1, 63, 64, 65, 300, 7] if ON_CUDA else [1, 63, 64, 65, 7]
+
+DTYPES = [torch.float32, torch.bfloat16] if ON_CUDA else [torch.float32]
+
+DTYPE_IDS = ["fp32", "bf16"] if ON_CUDA else ["fp32"]
+
 
 @pytest.fixture(autouse=True)
 def require_fla() -> None:
@@ -41,6 +61,13 @@ def require_fla() -> None:
 
     if reason is not None:
         pytest.skip(f"the fla backend is unavailable: {reason}")
+
+
+def tolerance(name: str, dtype: torch.dtype) -> float:
+    if not ON_CUDA:
+        return INTERPRETER_RATIO
+
+    return TOLERANCES[name] * (1 if dtype == torch.float32 else 3)
 
 
 def run_with_grads(
@@ -63,38 +90,46 @@ def run_with_grads(
     return {"o": o, "ht": ht, **grads, "dh0": h0.grad}
 
 
-def to_cuda(inputs: DeltaRuleInputs, dtype: torch.dtype) -> DeltaRuleInputs:
+def to_device(inputs: DeltaRuleInputs, dtype: torch.dtype) -> DeltaRuleInputs:
     # `g` stays fp32, as the model makes it.
     q, k, v, g, beta = inputs.tensors()
 
     return DeltaRuleInputs(
-        q.to(CUDA, dtype), k.to(CUDA, dtype), v.to(CUDA, dtype), g.to(CUDA), beta.to(CUDA, dtype)
+        q.to(DEVICE, dtype), k.to(DEVICE, dtype), v.to(DEVICE, dtype), g.to(DEVICE), beta.to(DEVICE, dtype)
     )
 
 
 class TestFlaBackend:
-    def test_is_resolved_on_cuda(self) -> None:
-        assert resolve_gdn_backend("auto", CUDA) == "fla"
-        assert resolve_gdn_backend("fla", CUDA) == "fla"
+    def test_is_resolved_for_the_device(self) -> None:
+        assert DEVICE is not None
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    @pytest.mark.parametrize(
-        "lengths", [None, [1, 63, 64, 65, 300, 7]], ids=["B2-T500-H2-HV4-K64-V64", "packed-1-63-64-65-300-7"]
-    )
-    def test_gated_delta_rule_matches_torch_backend(self, lengths: list[int] | None, dtype: torch.dtype) -> None:
-        batch_size, seq_len = (2, 500) if lengths is None else (1, sum(lengths))
+        assert resolve_gdn_backend("fla", DEVICE) == "fla"
 
-        num_seqs = batch_size if lengths is None else len(lengths)
+        # `auto` takes fla on CUDA only, never under the interpreter.
+        assert resolve_gdn_backend("auto", DEVICE) == ("fla" if ON_CUDA else "torch")
 
-        inputs = to_cuda(make_delta_rule_inputs(batch_size, seq_len, 2, 4, 64, 64, max_decay=16.0, seed=50), dtype)
+    @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+    @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+    def test_gated_delta_rule_matches_torch_backend(self, packed: bool, dtype: torch.dtype) -> None:
+        batch_size, seq_len, num_heads, num_v_heads, key_dim, value_dim = PADDED_SHAPE
+
+        if packed:
+            batch_size, seq_len = 1, sum(PACKED_LENGTHS)
+
+        num_seqs = len(PACKED_LENGTHS) if packed else batch_size
+
+        inputs = to_device(
+            make_delta_rule_inputs(batch_size, seq_len, num_heads, num_v_heads, key_dim, value_dim, max_decay=16.0, seed=50),
+            dtype,
+        )
 
         gen = torch.Generator().manual_seed(51)
 
-        h0 = torch.randn(num_seqs, 4, 64, 64, generator=gen).to(CUDA)
-        do = torch.randn(batch_size, seq_len, 4, 64, generator=gen).to(CUDA, dtype)
-        dht = torch.randn(num_seqs, 4, 64, 64, generator=gen).to(CUDA)
+        h0 = torch.randn(num_seqs, num_v_heads, key_dim, value_dim, generator=gen).to(DEVICE)
+        do = torch.randn(batch_size, seq_len, num_v_heads, value_dim, generator=gen).to(DEVICE, dtype)
+        dht = torch.randn(num_seqs, num_v_heads, key_dim, value_dim, generator=gen).to(DEVICE)
 
-        cu_seqlens = None if lengths is None else cu_seqlens_of(lengths).to(CUDA)
+        cu_seqlens = cu_seqlens_of(PACKED_LENGTHS).to(DEVICE) if packed else None
 
         expected = run_with_grads("torch", inputs, h0, do, dht, cu_seqlens=cu_seqlens)
 
@@ -103,23 +138,33 @@ class TestFlaBackend:
         assert actual["o"].dtype == dtype
         assert actual["ht"].dtype == torch.float32
 
-        for name, ratio in TOLERANCES.items():
-            assert_close(name, expected[name], actual[name], ratio if dtype == torch.float32 else 3 * ratio)
+        for name in TOLERANCES:
+            assert_close(name, expected[name], actual[name], tolerance(name, dtype))
 
-    def test_decoding_one_token_matches_torch_backend(self) -> None:
-        inputs = to_cuda(make_delta_rule_inputs(3, 1, 2, 4, 64, 64, seed=52), torch.bfloat16)
+    @pytest.mark.parametrize("packed", [False, True], ids=["batch-3", "packed-3"])
+    def test_decoding_one_token_matches_torch_backend(self, packed: bool) -> None:
+        # fla's fused recurrent kernel, with states of 3 sequences.
+        dtype = torch.bfloat16 if ON_CUDA else torch.float32
 
-        h0 = torch.randn(3, 4, 64, 64, device=CUDA)
+        batch_size, seq_len = (1, 3) if packed else (3, 1)
+
+        inputs = to_device(make_delta_rule_inputs(batch_size, seq_len, 2, 4, 64, 64, seed=52), dtype)
+
+        h0 = torch.randn(3, 4, 64, 64, generator=torch.Generator().manual_seed(53)).to(DEVICE)
+
+        cu_seqlens = cu_seqlens_of([1, 1, 1]).to(DEVICE) if packed else None
 
         with torch.no_grad():
             expected_o, expected_ht = gated_delta_rule(
-                *inputs.tensors(), backend="torch", initial_state=h0, output_final_state=True
+                *inputs.tensors(), backend="torch", initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens
             )
 
-            o, ht = gated_delta_rule(*inputs.tensors(), backend="fla", initial_state=h0, output_final_state=True)
+            o, ht = gated_delta_rule(
+                *inputs.tensors(), backend="fla", initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens
+            )
 
-        assert_close("o", expected_o, o, 1e-2)
-        assert_close("ht", expected_ht, ht, 5e-3)
+        assert_close("o", expected_o, o, 1e-2 if ON_CUDA else INTERPRETER_RATIO)
+        assert_close("ht", expected_ht, ht, 5e-3 if ON_CUDA else INTERPRETER_RATIO)
 
     @pytest.mark.parametrize("with_states", [False, True], ids=["stateless", "with-states"])
     @pytest.mark.parametrize("lengths", [None, [1, 3, 4, 200, 2]], ids=["B2-T300", "packed-1-3-4-200-2"])
@@ -128,14 +173,17 @@ class TestFlaBackend:
 
         num_seqs = batch_size if lengths is None else len(lengths)
 
+        dim = 384 if ON_CUDA else 48
+
         gen = torch.Generator().manual_seed(53)
 
-        x = torch.randn(batch_size, seq_len, 384, generator=gen).to(CUDA)
-        weight = torch.randn(384, 4, generator=gen).to(CUDA)
-        h0 = torch.randn(num_seqs, 384, 3, generator=gen).to(CUDA) if with_states else None
-        dy = torch.randn(batch_size, seq_len, 384, generator=gen).to(CUDA)
+        x = torch.randn(batch_size, seq_len, dim, generator=gen).to(DEVICE)
+        weight = torch.randn(dim, 4, generator=gen).to(DEVICE)
+        h0 = torch.randn(num_seqs, dim, 3, generator=gen).to(DEVICE) if with_states else None
+        dy = torch.randn(batch_size, seq_len, dim, generator=gen).to(DEVICE)
+        dht = torch.randn(num_seqs, dim, 3, generator=gen).to(DEVICE)
 
-        cu_seqlens = None if lengths is None else cu_seqlens_of(lengths).to(CUDA)
+        cu_seqlens = None if lengths is None else cu_seqlens_of(lengths).to(DEVICE)
 
         results = {}
 
@@ -151,7 +199,13 @@ class TestFlaBackend:
                 backend=backend,
             )
 
-            torch.autograd.backward([y], [dy])
+            outputs, cotangents = [y], [dy]
+
+            if ht is not None:
+                outputs.append(ht)
+                cotangents.append(dht)
+
+            torch.autograd.backward(outputs, cotangents)
 
             results[backend] = {"y": y, "ht": ht, "dx": leaves[0].grad, "dweight": leaves[1].grad}  # type: ignore[union-attr]
 
@@ -162,14 +216,16 @@ class TestFlaBackend:
             if expected is not None:
                 assert_close(name, expected, results["fla"][name], 1e-5)
 
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
     def test_gated_rms_norm_matches_torch_backend(self, dtype: torch.dtype) -> None:
         gen = torch.Generator().manual_seed(54)
 
-        x = torch.randn(2, 50, 4, 128, generator=gen).to(CUDA, dtype).requires_grad_()
-        gate = torch.randn(2, 50, 4, 128, generator=gen).to(CUDA, dtype).requires_grad_()
-        weight = (torch.rand(128, generator=gen) + 0.5).to(CUDA, dtype).requires_grad_()
-        dy = torch.randn(2, 50, 4, 128, generator=gen).to(CUDA, dtype)
+        dim = 128 if ON_CUDA else 32
+
+        x = torch.randn(2, 50, 4, dim, generator=gen).to(DEVICE, dtype).requires_grad_()
+        gate = torch.randn(2, 50, 4, dim, generator=gen).to(DEVICE, dtype).requires_grad_()
+        weight = (torch.rand(dim, generator=gen) + 0.5).to(DEVICE, dtype).requires_grad_()
+        dy = torch.randn(2, 50, 4, dim, generator=gen).to(DEVICE, dtype)
 
         results = {}
 
