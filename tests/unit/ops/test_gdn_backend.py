@@ -5,11 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from fairseq2.error import NotSupportedError
+from fairseq2.nn import BatchLayout
 
 import qwen35_fs2.ops.backend as backend_module
 import qwen35_fs2.ops.delta_rule.dispatch as dispatch_module
@@ -71,7 +72,11 @@ class TestResolveGdnBackend:
 
         assert not caplog.records
 
-    def test_raises_error_when_fla_is_asked_on_cpu(self, fla_present: None) -> None:
+    def test_raises_error_when_fla_is_asked_on_cpu(self, fla_present: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        # Outside Triton's interpreter, which the test session turns on
+        # without a GPU.
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
         with pytest.raises(NotSupportedError, match="needs a CUDA device, but the device is 'cpu' instead"):
             resolve_gdn_backend("fla", CPU)
 
@@ -142,3 +147,153 @@ class TestGatedDeltaRule:
 
         with pytest.raises(ValueError, match="`initial_state` must be of shape"):
             gated_delta_rule(*inputs.tensors(), backend="fla", initial_state=torch.zeros(2, 1, 4, 4))
+
+
+@pytest.fixture
+def fake_fla_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], None]]:
+    """Makes ``import fla`` return a module of the given version."""
+
+    def set_version(version: str) -> None:
+        backend_module.fla_unavailable_reason.cache_clear()
+
+        fake_fla = types.ModuleType("fla")
+        fake_fla.__version__ = version  # type: ignore[attr-defined]
+
+        monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=lambda name: fake_fla))
+
+    yield set_version
+
+    backend_module.fla_unavailable_reason.cache_clear()
+
+
+class TestFlaDetection:
+    @pytest.mark.parametrize("version", ["0.6.0", "0.6.0rc1", "0.6.1.dev0", "1.0.0"])
+    def test_accepts_0_6_0_and_later_including_pre_releases(
+        self, fake_fla_version: Callable[[str], None], version: str
+    ) -> None:
+        fake_fla_version(version)
+
+        assert backend_module.fla_unavailable_reason() is None
+
+    @pytest.mark.parametrize("version", ["0.5.9", "0.4.1"])
+    def test_rejects_older_versions(self, fake_fla_version: Callable[[str], None], version: str) -> None:
+        fake_fla_version(version)
+
+        assert backend_module.fla_unavailable_reason() == f"fla-core {version} is installed"
+
+    def test_rejects_an_unreadable_version(self, fake_fla_version: Callable[[str], None]) -> None:
+        fake_fla_version("not-a-version")
+
+        assert backend_module.fla_unavailable_reason() == "fla-core reports an unreadable version 'not-a-version'"
+
+    def test_logs_why_an_installed_fla_fails_to_import(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def import_module(name: str) -> object:
+            raise ImportError("libcuda.so.1: cannot open shared object file")
+
+        backend_module.fla_unavailable_reason.cache_clear()
+
+        monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=import_module))
+
+        try:
+            with caplog.at_level(logging.WARNING):
+                reason = backend_module.fla_unavailable_reason()
+        finally:
+            backend_module.fla_unavailable_reason.cache_clear()
+
+        assert reason == "`fla` cannot be imported (ImportError: libcuda.so.1: cannot open shared object file)"
+
+        assert any("libcuda.so.1" in r.getMessage() for r in caplog.records)
+
+
+class TestHasCausalConv1d:
+    @pytest.fixture(autouse=True)
+    def clear_cache(self) -> Iterator[None]:
+        backend_module.has_causal_conv1d.cache_clear()
+
+        yield
+
+        backend_module.has_causal_conv1d.cache_clear()
+
+    def test_is_false_without_a_warning_when_not_installed(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        monkeypatch.setitem(sys.modules, "causal_conv1d", None)
+
+        with caplog.at_level(logging.WARNING):
+            assert not backend_module.has_causal_conv1d()
+
+        assert not caplog.records
+
+    def test_logs_why_an_installed_package_fails_to_import(
+        self, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        def import_module(name: str) -> object:
+            raise ImportError("causal_conv1d_cuda.so: undefined symbol: _ZN3c10")
+
+        monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=import_module))
+
+        with caplog.at_level(logging.WARNING):
+            assert not backend_module.has_causal_conv1d()
+
+        messages = [r.getMessage() for r in caplog.records]
+
+        assert any("causal-conv1d is installed but cannot be imported" in m and "undefined symbol" in m for m in messages)
+
+
+class TestBackendFollowsTheDevice:
+    def test_fla_on_cpu_is_accepted_only_under_triton_interpreter(
+        self, fla_present: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+        assert resolve_gdn_backend("fla", CPU) == "fla"
+
+        # `auto` never picks the interpreter.
+        assert resolve_gdn_backend("auto", CPU) == "torch"
+
+        monkeypatch.delenv("TRITON_INTERPRET")
+
+        with pytest.raises(NotSupportedError, match="needs a CUDA device, but the device is 'cpu' instead"):
+            resolve_gdn_backend("fla", CPU)
+
+    def test_layer_resolves_for_the_device_of_each_input(
+        self, fla_present: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from qwen35_fs2.models import gated_deltanet as gdn_module
+        from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+
+        layer = GatedDeltaNet(16, 1, 2, 8, 8, 4, backend="auto")
+
+        resolved = []
+
+        def recording_resolve(requested: str, device: torch.device) -> str:
+            result = resolve_gdn_backend(requested, device)  # type: ignore[arg-type]
+
+            resolved.append((requested, device.type, result))
+
+            return result
+
+        monkeypatch.setattr(gdn_module, "resolve_gdn_backend", recording_resolve)
+
+        x = torch.randn(1, 5, 16)
+
+        layer(x, BatchLayout.of(x))
+
+        # The layer and its convolution, for the CPU input of this call.
+        assert resolved == [("auto", "cpu", "torch")] * 2
+
+    def test_layer_asked_for_fla_fails_on_cpu_before_reaching_triton(
+        self, fla_present: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+        layer = GatedDeltaNet(16, 1, 2, 8, 8, 4, backend="fla")
+
+        x = torch.randn(1, 5, 16)
+
+        with pytest.raises(NotSupportedError, match="needs a CUDA device, but the device is 'cpu' instead"):
+            layer(x, BatchLayout.of(x))
