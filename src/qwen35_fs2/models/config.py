@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Final, Literal
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Final, Literal, TypeVar
 
 from fairseq2.runtime.config_registry import ConfigRegistrar
 from fairseq2.runtime.dependency import DependencyContainer
@@ -106,8 +107,10 @@ class Qwen35Config:
     gdn_backend: GdnBackendRequest = "auto"
     """
     The kernels of the Gated DeltaNet layers: ``torch`` (pure PyTorch, runs
-    anywhere), ``fla`` (fla's Triton kernels; CUDA only), or ``auto`` (``fla``
-    on CUDA when importable, otherwise ``torch``).
+    anywhere), ``fla`` (fla's Triton kernels; CUDA only, or CPU under
+    Triton's interpreter), or ``auto`` (``fla`` on CUDA when importable,
+    otherwise ``torch``). Resolved in every forward pass for the device of
+    the input, so a model moved between devices follows.
     """
 
     def get_layer_types(self) -> list[LayerType]:
@@ -218,7 +221,8 @@ def register_qwen35_configs(container: DependencyContainer) -> None:
 
     # Values from the released `config.json` files (see
     # docs/architecture.md); the tie flags of 2B and 4B and the value heads of
-    # 9B come from secondary sources.
+    # 9B come from secondary sources. Loading through an asset card takes them
+    # from the checkpoint's own config.json (`adopt_hf_architecture`).
 
     @arch("qwen35_0.8b")
     def qwen35_0p8b() -> Qwen35Config:
@@ -390,6 +394,64 @@ def qwen35_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35Config:
     check_config(config)
 
     return config
+
+
+_OWN_SETTINGS: Final = (
+    "gdn_backend",
+    "full_attention_interval",
+    "experts.dispatch",
+    "experts.router_precision",
+)
+"""The fields of :class:`Qwen35Config` and
+:class:`~qwen35_fs2.models.moe_config.Qwen35MoeConfig` that a Hugging Face
+config does not define: settings of this package, and the interval that
+only derives ``layer_types`` (which Hugging Face configs list)."""
+
+ConfigT = TypeVar("ConfigT", bound=Qwen35Config)
+
+
+def adopt_hf_architecture(config: ConfigT, hf_config: Qwen35Config) -> tuple[ConfigT, list[str]]:
+    """Returns a copy of ``config`` with every field that a Hugging Face
+    config defines taken from ``hf_config`` (read by
+    :func:`qwen35_config_from_hf`), and a line ``"`name` old -> new"`` for
+    every field that changed. The fields of :data:`_OWN_SETTINGS` keep the
+    values of ``config``; ``layer_types`` counts as changed only if the
+    layers' mixers change.
+    """
+    if type(hf_config) is not type(config):
+        raise TypeError(
+            f"`hf_config` must be of type `{type(config).__name__}`, but is of type `{type(hf_config).__name__}` instead."
+        )
+
+    adopted = copy.deepcopy(config)
+
+    changes: list[str] = []
+
+    def adopt(target: object, source: object, prefix: str) -> None:
+        for field in fields(source):  # type: ignore[arg-type]
+            name = prefix + field.name
+
+            if name in _OWN_SETTINGS:
+                continue
+
+            value = getattr(source, field.name)
+            current = getattr(target, field.name)
+
+            if is_dataclass(value):
+                adopt(current, value, name + ".")
+            elif name == "layer_types":
+                if adopted.get_layer_types() != hf_config.get_layer_types():
+                    changes.append(f"`{name}` {adopted.get_layer_types()} -> {value}")
+
+                    setattr(target, field.name, copy.deepcopy(value))
+            elif value != current:
+                changes.append(f"`{name}` {current!r} -> {value!r}")
+
+                setattr(target, field.name, copy.deepcopy(value))
+
+    adopt(adopted, hf_config, "")
+
+    return adopted, changes
 
 
 def read_hf_text_fields(

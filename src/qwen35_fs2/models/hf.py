@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from huggingface_hub import hf_hub_download
+from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 from safetensors import SafetensorError, safe_open
 
+from fairseq2.assets import AssetCard, AssetDownloadError
 from fairseq2.data_type import DataType
 from fairseq2.device import Device
+from fairseq2.logging import log
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.models.config import qwen35_config_from_hf
 from qwen35_fs2.models.hub import get_qwen35_model_hub
@@ -38,6 +43,75 @@ def load_hf_config(path: Path) -> dict[str, object]:
         raise ValueError(f"{config_file} must hold a JSON object.")
 
     return config
+
+
+def find_checkpoint_hf_config(card: AssetCard) -> Path | None:
+    """Returns the Hugging Face ``config.json`` of the checkpoint of
+    ``card``, or ``None`` if it has none.
+
+    A local checkpoint (a path or a ``file://`` URI, with the card's
+    ``checkpoint_path`` if any) has it in its directory, or in the directory
+    of its file. fairseq2 downloads only the safetensors of a Hugging Face Hub
+    checkpoint (``hg://``), so the repository's ``config.json`` is downloaded
+    here, into the Hub cache next to them. Where it cannot be had (other
+    schemes, offline without a cached copy) a warning says so.
+    """
+    uri_field = card.maybe_get_field("checkpoint")
+
+    # A gated model; fairseq2 refuses to load it.
+    if uri_field is None:
+        return None
+
+    uri = uri_field.as_uri()
+
+    sub_path_field = card.maybe_get_field("checkpoint_path")
+
+    if uri.scheme == "file":
+        path = uri.to_path()
+
+        if sub_path_field is not None:
+            path = path.joinpath(sub_path_field.as_(str))
+
+        config_file = (path if path.is_dir() else path.parent) / "config.json"
+
+        return config_file if config_file.is_file() else None
+
+    if uri.scheme == "hg" and sub_path_field is None:
+        return _download_hub_config(card, uri)
+
+    log.warning(
+        "The checkpoint of the {} asset card ({}) has no config.json that can be read: only local and whole-repository Hugging Face Hub checkpoints have one. The model's architecture, its tie flag included, comes from the card alone.",
+        card.name,
+        uri,
+    )
+
+    return None
+
+
+def _download_hub_config(card: AssetCard, uri: Uri) -> Path | None:
+    repo_id = str(uri).removeprefix("hg://")
+
+    # Every rank asks (there is no gang here): the Hub only when the cache
+    # has no copy yet.
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+
+    try:
+        return Path(hf_hub_download(repo_id, "config.json"))
+    except EntryNotFoundError as ex:
+        # Not in the repository, or offline and not in the cache.
+        log.warning(
+            "The config.json of {} cannot be had ({}). The architecture of the {} asset card, its tie flag included, comes from the card alone.",
+            uri,
+            ex,
+            card.name,
+        )
+
+        return None
+    except HfHubHTTPError as ex:
+        raise AssetDownloadError(uri, "Hugging Face Hub returned an error.") from ex
 
 
 def check_safetensors_files(path: Path) -> None:

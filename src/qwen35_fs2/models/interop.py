@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Final
 
 import torch
@@ -36,8 +36,8 @@ _HG_KEY_MAP: Final = {
     r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_b\.":   r"decoder.layers.\1.linear_attn.in_proj_b.",
     r"^model\.layers\.([0-9]+)\.linear_attn\.in_proj_a\.":   r"decoder.layers.\1.linear_attn.in_proj_a.",
     r"^model\.layers\.([0-9]+)\.linear_attn\.conv1d\.":      r"decoder.layers.\1.linear_attn.conv1d.",
-    r"^model\.layers\.([0-9]+)\.linear_attn\.A_log$":        r"decoder.layers.\1.linear_attn.A_log",
-    r"^model\.layers\.([0-9]+)\.linear_attn\.dt_bias$":      r"decoder.layers.\1.linear_attn.dt_bias",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.A_log$":        r"decoder.layers.\1.linear_attn.decay.A_log",
+    r"^model\.layers\.([0-9]+)\.linear_attn\.dt_bias$":      r"decoder.layers.\1.linear_attn.decay.dt_bias",
     r"^model\.layers\.([0-9]+)\.linear_attn\.norm\.":        r"decoder.layers.\1.linear_attn.norm.",
     r"^model\.layers\.([0-9]+)\.linear_attn\.out_proj\.":    r"decoder.layers.\1.linear_attn.output_proj.",
     r"^model\.layers\.([0-9]+)\.mlp\.gate_proj\.":           r"decoder.layers.\1.ffn.gate_proj.",
@@ -73,10 +73,14 @@ def convert_qwen35_state_dict(
     Hugging Face key) pass through unchanged, except for the duplicate
     ``final_proj.weight`` of tied models, so calling this on every shard of a
     fairseq2 checkpoint is safe. The vision tower and the MTP head are
-    skipped; any other unknown key is an error. Besides renaming, the rows of
-    the Gated DeltaNet ``in_proj_qkv`` and ``conv1d`` weights are grouped by
-    key head (:func:`group_qkv_rows`), a permutation.
+    skipped; any other unknown key is an error, and so is an output
+    projection that differs from the embedding table under tied embeddings
+    (:func:`check_tied_output_weights`). Besides renaming, the rows of the
+    Gated DeltaNet ``in_proj_qkv`` and ``conv1d`` weights are grouped by key
+    head (:func:`group_qkv_rows`), a permutation.
     """
+    check_tied_output_weights(state_dict, config)
+
     if not is_hg_state_dict(state_dict):
         if config.tied_embeddings and "final_proj.weight" in state_dict:
             # fairseq2 saves tied weights under both keys. Only the
@@ -86,8 +90,16 @@ def convert_qwen35_state_dict(
 
         return state_dict
 
-    text_state_dict = strip_vlm_prefix(state_dict)
+    return convert_hg_text_state_dict(strip_vlm_prefix(state_dict), config)
 
+
+def convert_hg_text_state_dict(
+    text_state_dict: dict[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Converts the language-model tensors of a Hugging Face state dict in the
+    text-only layout (:func:`strip_vlm_prefix`) whose output projection
+    :func:`check_tied_output_weights` accepted; the part of
+    :func:`convert_qwen35_state_dict` that the MoE converter shares."""
     unknown_keys = []
 
     for key in text_state_dict:
@@ -102,8 +114,8 @@ def convert_qwen35_state_dict(
         )
 
     if config.tied_embeddings:
-        # A tied checkpoint may still carry its (identical) output weights.
-        text_state_dict.pop("lm_head.weight", None)
+        # Equal to the embedding table (checked), so nothing is lost.
+        text_state_dict.pop(_HG_OUTPUT_KEY, None)
 
     converted = convert_state_dict(text_state_dict, _HG_KEY_MAP)
 
@@ -115,6 +127,67 @@ def convert_qwen35_state_dict(
         converted["final_proj.weight"] = converted["decoder_frontend.embed.weight"]
 
     return converted
+
+
+_HG_OUTPUT_KEY: Final = "lm_head.weight"
+
+
+def find_output_weight_keys(keys: Collection[str]) -> tuple[str, str] | None:
+    """Returns the keys of the embedding table and of the output projection
+    of a checkpoint with ``keys`` (Hugging Face, either layout, or fairseq2)
+    if it has both, otherwise ``None``."""
+    if _HG_OUTPUT_KEY in keys:
+        for embed_key in _HG_SENTINEL_KEYS:
+            if embed_key in keys:
+                return embed_key, _HG_OUTPUT_KEY
+
+    if "final_proj.weight" in keys and "decoder_frontend.embed.weight" in keys:
+        return "decoder_frontend.embed.weight", "final_proj.weight"
+
+    return None
+
+
+def check_tied_output_weights(state_dict: Mapping[str, object], config: Qwen35Config) -> None:
+    """Raises :func:`tied_output_weights_error` if ``config`` ties the output
+    projection to the embedding table but ``state_dict`` holds an output
+    projection that differs from its embedding table: tying would drop a
+    trained head, so the tie flag of a preset or a ``config.json`` is never
+    taken on trust.
+
+    Meta tensors hold no values to compare; whoever converts them (the
+    sharded loader, which validates a checkpoint on meta tensors) compares
+    the data itself.
+    """
+    if not config.tied_embeddings:
+        return
+
+    keys = find_output_weight_keys(state_dict)
+
+    if keys is None:
+        return
+
+    embed_key, output_key = keys
+
+    embed, output = state_dict[embed_key], state_dict[output_key]
+
+    if not isinstance(embed, Tensor) or not isinstance(output, Tensor):
+        raise StateDictError(f"`{embed_key}` and `{output_key}` must be tensors, but are of types `{type(embed).__name__}` and `{type(output).__name__}` instead.")
+
+    if embed.is_meta or output.is_meta:
+        return
+
+    if not torch.equal(embed, output):
+        raise tied_output_weights_error(embed_key, output_key)
+
+
+def tied_output_weights_error(embed_key: str, output_key: str) -> StateDictError:
+    """The error of an output projection ``output_key`` that differs from the
+    embedding table ``embed_key`` under tied embeddings."""
+    return StateDictError(
+        f"`{output_key}` must equal `{embed_key}` for a model with tied embeddings (`tied_embeddings: true`), but differs from it instead. "
+        f"The checkpoint has a trained output projection of its own: to load it, set `tied_embeddings: false` in the model configuration (`tie_word_embeddings: false` in a Hugging Face config.json); "
+        f"if the model is meant to be tied, remove `{output_key}` from the checkpoint."
+    )
 
 
 # The Gated DeltaNet tensors whose rows fairseq2 groups by key head.

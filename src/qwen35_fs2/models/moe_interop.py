@@ -14,6 +14,8 @@ from fairseq2.error import StateDictError
 from fairseq2.models.utils.checkpoint import convert_state_dict
 
 from qwen35_fs2.models.interop import (
+    check_tied_output_weights,
+    convert_hg_text_state_dict,
     convert_qwen35_state_dict,
     is_hg_state_dict,
     strip_vlm_prefix,
@@ -65,11 +67,14 @@ def convert_qwen35_moe_state_dict(
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); both become the fused
     parameters of :class:`~qwen35_fs2.models.moe.RoutedExperts`. Missing,
     unknown or mis-shaped expert tensors raise a :class:`StateDictError`
-    naming them. Native fairseq2 checkpoints pass through as in
+    naming them. The output projection is checked and native fairseq2
+    checkpoints pass through as in
     :func:`~qwen35_fs2.models.interop.convert_qwen35_state_dict`.
     """
     if not is_hg_state_dict(state_dict):
         return convert_qwen35_state_dict(state_dict, config)
+
+    check_tied_output_weights(state_dict, config)
 
     if is_qwen3_next_state_dict(state_dict):
         state_dict = unpack_qwen3_next_projections(state_dict, config)
@@ -87,7 +92,7 @@ def convert_qwen35_moe_state_dict(
         else:
             other_state_dict[key] = value
 
-    converted = convert_qwen35_state_dict(other_state_dict, config)
+    converted = convert_hg_text_state_dict(other_state_dict, config)
 
     converted.update(convert_state_dict(_fuse_experts(moe_state_dict, config), _HG_MOE_KEY_MAP))
 

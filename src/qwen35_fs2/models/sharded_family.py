@@ -30,7 +30,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.nn import Module
 from typing_extensions import override
 
+from fairseq2.assets import AssetCard, AssetCardError
 from fairseq2.data_type import DataType
+from fairseq2.error import InternalError
 from fairseq2.gang import Gangs
 from fairseq2.logging import log
 from fairseq2.models import ModelFamily
@@ -51,8 +53,10 @@ from fairseq2.runtime.dependency import (
     DependencyResolver,
     wire_object,
 )
+from fairseq2.utils.validation import ValidationError
 
-from qwen35_fs2.models.config import Qwen35Config
+from qwen35_fs2.models.config import Qwen35Config, adopt_hf_architecture, qwen35_config_from_hf
+from qwen35_fs2.models.hf import find_checkpoint_hf_config, load_hf_config
 from qwen35_fs2.models.interop import is_hg_state_dict
 from qwen35_fs2.models.sharded_loading import allocate_shards, index_safetensors, load_hf_checkpoint_shards
 
@@ -82,13 +86,66 @@ _PENDING: WeakKeyDictionary[Module, _PendingCheckpoint] = WeakKeyDictionary()
 
 
 class Qwen35ModelFamily(StandardModelFamily):  # type: ignore[misc]
-    """fairseq2's model family, except that where sharded loading is
-    enabled it returns models of Hugging Face checkpoints on the meta device
-    and leaves the loading to :func:`finish_sharded_checkpoint_loading`."""
+    """fairseq2's model family, except that
+
+    - the configuration of an asset card takes its architecture from the
+      checkpoint's own Hugging Face ``config.json`` where there is one
+      (:meth:`get_model_config`);
+    - where sharded loading is enabled it returns models of Hugging Face
+      checkpoints on the meta device and leaves the loading to
+      :func:`finish_sharded_checkpoint_loading`.
+    """
 
     defer_hf_loading: bool = False
     """Set by :func:`register_qwen35_model_family` where the recipe enabled
     sharded loading."""
+
+    @override
+    def get_model_config(self, card: AssetCard) -> object:
+        """Returns the configuration of ``card`` (its arch preset and config
+        overrides, as fairseq2 makes it) with every field that a Hugging Face
+        config defines taken from the ``config.json`` of its checkpoint, if
+        there is one (:func:`~qwen35_fs2.models.hf.find_checkpoint_hf_config`).
+
+        The presets of some released sizes hold values inferred from
+        secondary sources (the tie flags of 0.8B to 4B among them), and a
+        wrong tie flag would drop a trained output projection, so the
+        checkpoint's own description wins; a warning lists every field in
+        which the two differ. Recipes apply their ``config_overrides`` on top.
+        """
+        config = super().get_model_config(card)
+
+        config_file = find_checkpoint_hf_config(card)
+
+        if config_file is None:
+            return config
+
+        if not isinstance(config, Qwen35Config):
+            raise InternalError(f"The configuration of the {self.name} family is of type `{type(config)}`.")
+
+        try:
+            checkpoint_config = qwen35_config_from_hf(load_hf_config(config_file.parent))
+        except (ValueError, ValidationError) as ex:
+            raise AssetCardError(
+                card.name, f"{config_file}, the config.json of the checkpoint of the {card.name} asset card, must describe a Qwen3.5 model, but does not: {ex}"
+            ) from ex
+
+        if type(checkpoint_config) is not type(config):
+            raise AssetCardError(
+                card.name, f"{config_file}, the config.json of the checkpoint of the {card.name} asset card, must describe a model of the {self.name} family, but describes a `{type(checkpoint_config).__name__}` instead."
+            )
+
+        config, changes = adopt_hf_architecture(config, checkpoint_config)
+
+        if changes:
+            log.warning(
+                "The configuration of the {} asset card differs from the checkpoint's own config.json ({}); the checkpoint's values are used: {}",
+                card.name,
+                config_file,
+                ", ".join(changes),
+            )
+
+        return config
 
     @override
     def _do_load_model(

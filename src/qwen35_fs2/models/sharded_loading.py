@@ -59,9 +59,11 @@ from qwen35_fs2.models.interop import (
     _GROUPED_QKV_KEY,
     _HG_KEY_MAP,
     convert_qwen35_state_dict,
+    find_output_weight_keys,
     is_hg_state_dict,
     qkv_row_segments,
     strip_vlm_prefix,
+    tied_output_weights_error,
 )
 from qwen35_fs2.models.moe_config import Qwen35MoeConfig
 from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
@@ -427,7 +429,11 @@ def load_hf_checkpoint_shards(
     """Fills the parameters of ``model``, a Qwen3.5 model of ``config``
     whose parameters are allocated (tensor-parallel shards under
     ``gangs.tp``, possibly FSDP2 shards), from the Hugging Face checkpoint
-    directory ``path``, reading only what this rank holds.
+    directory ``path``, reading only what this rank holds. Under tied
+    embeddings a checkpoint that carries an output projection has it
+    compared with its embedding table first (each read whole, in blocks of
+    ``read_buffer_bytes``); a difference raises the converter's error before
+    any parameter is written.
 
     Every rank calls it on its own; no collective runs.
     """
@@ -453,6 +459,10 @@ def load_hf_checkpoint_shards(
         )
 
     with _SafetensorsReader(index, read_buffer_bytes) as reader, torch.no_grad():
+        # Before any parameter is written: nothing is half-loaded on error.
+        if config.tied_embeddings:
+            _check_tied_output_weights(index, reader, read_buffer_bytes)
+
         for name, param in params.items():
             local, full_shape, box = _local_box(param, shard_dims.get(name), gangs)
 
@@ -471,6 +481,45 @@ def load_hf_checkpoint_shards(
 
                 offset += r.length
 
+
+
+def _check_tied_output_weights(
+    index: Mapping[str, SafetensorsTensor], reader: _SafetensorsReader, read_buffer_bytes: int
+) -> None:
+    """Runs the check of :func:`~qwen35_fs2.models.interop.check_tied_output_weights`,
+    which :func:`plan_hf_rows` ran on meta tensors, on the data: reads the
+    embedding table and the output projection, if the checkpoint has one, in
+    blocks of rows of at most ``read_buffer_bytes`` each and compares them."""
+    keys = find_output_weight_keys(index)
+
+    if keys is None:
+        return
+
+    embed_key, output_key = keys
+
+    embed, output = index[embed_key], index[output_key]
+
+    if embed.shape != output.shape:
+        raise tied_output_weights_error(embed_key, output_key)
+
+    dtype = torch.promote_types(embed.dtype, output.dtype)
+
+    num_cols = embed.num_cols
+
+    rows_per_read = max(1, read_buffer_bytes // (num_cols * dtype.itemsize))
+
+    # (R, C)
+    embed_rows = torch.empty((rows_per_read, num_cols), dtype=dtype)
+    output_rows = torch.empty((rows_per_read, num_cols), dtype=dtype)
+
+    for start in range(0, embed.num_rows, rows_per_read):
+        num_rows = min(rows_per_read, embed.num_rows - start)
+
+        reader.read(RowRange(embed_key, start, num_rows), 0, num_cols, embed_rows[:num_rows])
+        reader.read(RowRange(output_key, start, num_rows), 0, num_cols, output_rows[:num_rows])
+
+        if not torch.equal(embed_rows[:num_rows], output_rows[:num_rows]):
+            raise tied_output_weights_error(embed_key, output_key)
 
 
 def _clean_name(name: str) -> str:

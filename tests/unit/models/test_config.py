@@ -10,7 +10,7 @@ from fairseq2.utils.validation import ValidationError
 
 from qwen35_fs2 import Qwen35Config, qwen35_config_from_hf
 from qwen35_fs2.models import get_qwen35_model_hub
-from qwen35_fs2.models.config import check_config, tiny_qwen35_config
+from qwen35_fs2.models.config import adopt_hf_architecture, check_config, tiny_qwen35_config
 
 # A Qwen3.5-9B config in the released vision-language layout (values from
 # docs/architecture.md), as transformers 5.x writes it.
@@ -217,3 +217,56 @@ class TestQwen35ConfigFromHf:
     def test_rejects_another_model_type(self) -> None:
         with pytest.raises(ValueError, match="`model_type` 'qwen3_5' or 'qwen3_5_text', but has 'qwen3'"):
             qwen35_config_from_hf({"model_type": "qwen3"})
+
+
+class TestAdoptHfArchitecture:
+    def test_takes_every_field_of_the_hf_config_and_keeps_our_settings(self) -> None:
+        hub = get_qwen35_model_hub()
+
+        config = hub.get_arch_config("qwen35_0.8b")
+
+        config.gdn_backend = "torch"
+
+        original = copy.deepcopy(config)
+
+        adopted, changes = adopt_hf_architecture(config, qwen35_config_from_hf(_HG_9B_CONFIG))
+
+        expected = hub.get_arch_config("qwen35_9b")
+
+        expected.gdn_backend = "torch"
+
+        assert adopted == expected
+
+        assert config == original
+
+        # The 9B layers follow the preset's interval: no `layer_types` entry.
+        assert changes == [
+            "`model_dim` 1024 -> 4096",
+            "`tied_embeddings` True -> False",
+            "`num_layers` 24 -> 32",
+            "`num_attn_heads` 8 -> 16",
+            "`num_key_value_heads` 2 -> 4",
+            "`num_linear_value_heads` 16 -> 32",
+            "`ffn_inner_dim` 3584 -> 12288",
+        ]
+
+    def test_takes_and_reports_other_mixers(self) -> None:
+        hg_config = copy.deepcopy(_HG_9B_CONFIG)
+
+        layer_types = ["full_attention", "linear_attention"] * 16
+
+        hg_config["text_config"]["layer_types"] = layer_types  # type: ignore[index]
+
+        config = get_qwen35_model_hub().get_arch_config("qwen35_9b")
+
+        adopted, changes = adopt_hf_architecture(config, qwen35_config_from_hf(hg_config))
+
+        assert adopted.get_layer_types() == layer_types
+
+        assert changes == [f"`layer_types` {config.get_layer_types()} -> {layer_types}"]
+
+    def test_raises_error_for_a_config_of_the_other_family(self) -> None:
+        from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+
+        with pytest.raises(TypeError, match="`hf_config` must be of type `Qwen35Config`, but is of type `Qwen35MoeConfig` instead."):
+            adopt_hf_architecture(tiny_qwen35_config(), tiny_qwen35_moe_config())

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import Tensor
@@ -214,6 +216,36 @@ class TestConvertQwen35MoeStateDict:
         state_dict = dict(create_qwen35_moe_model(config).state_dict())
 
         assert convert_qwen35_moe_state_dict(state_dict, config) is state_dict
+
+    @pytest.mark.parametrize("prefix", ["model.", "model.language_model."])
+    def test_raises_error_naming_both_keys_when_a_tied_config_meets_a_trained_head(self, prefix: str) -> None:
+        config = _config()
+
+        config.tied_embeddings = True
+
+        state_dict = _hf_state_dict(config, per_expert=False, prefix=prefix)
+
+        message = f"`lm_head.weight` must equal `{prefix}embed_tokens.weight` for a model with tied embeddings (`tied_embeddings: true`), but differs from it instead."
+
+        with pytest.raises(StateDictError, match=re.escape(message) + ".*set `tied_embeddings: false`"):
+            convert_qwen35_moe_state_dict(state_dict, config)
+
+    def test_drops_an_lm_head_equal_to_the_embedding_of_tied_checkpoints(self) -> None:
+        config = _config()
+
+        config.tied_embeddings = True
+
+        state_dict = _hf_state_dict(config, per_expert=False, prefix="model.language_model.")
+
+        embed = state_dict["model.language_model.embed_tokens.weight"]
+
+        assert isinstance(embed, Tensor)
+
+        state_dict["lm_head.weight"] = embed.clone()
+
+        converted = convert_qwen35_moe_state_dict(state_dict, config)
+
+        assert converted["final_proj.weight"] is embed
 
 
 class TestUnpackQwen3NextProjections:

@@ -237,6 +237,44 @@ class TestLoadHfCheckpointShards:
         with pytest.raises(StateDictError, match=r"not part of a Qwen3\.5 language model: model\.layers\.0\.mlp\.experts\.0\.up_proj\.weight"):
             _load(config, tmp_path, 1, 0)
 
+    @pytest.mark.parametrize(
+        ("config", "layout"),
+        [(tiny_qwen35_config(), "text"), (tiny_qwen35_config(), "vlm"), (_moe_config(tied=True), "fused")],
+        ids=["dense-text", "dense-vlm", "moe"],
+    )
+    @pytest.mark.parametrize("differing_row", [0, -1], ids=["first-row", "last-row"])
+    def test_raises_error_and_writes_nothing_when_a_tied_config_meets_a_trained_head(
+        self, config: Qwen35Config, layout: str, differing_row: int, tmp_path: Path
+    ) -> None:
+        hg = _hf_state_dict(config, layout)
+
+        embed_key = "model.language_model.embed_tokens.weight" if layout == "vlm" else "model.embed_tokens.weight"
+
+        # A head that differs from the embedding in one entry of one row; the
+        # small read buffer makes the comparison take many blocks.
+        head = hg[embed_key].clone()
+
+        head[differing_row, 3] += 1.0
+
+        hg["lm_head.weight"] = head
+
+        _save(hg, tmp_path, torch.float32)
+
+        gangs = fake_tp_gangs(1, 0)
+
+        model = create_sharded_qwen35_model(config, gangs)
+
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(torch.nan)
+
+        message = f"`lm_head.weight` must equal `{embed_key}` for a model with tied embeddings (`tied_embeddings: true`), but differs from it instead."
+
+        with pytest.raises(StateDictError, match=re.escape(message) + ".*set `tied_embeddings: false`"):
+            load_hf_checkpoint_shards(model, tmp_path, config, gangs, read_buffer_bytes=1000)
+
+        assert all(param.isnan().all() for param in model.parameters())
+
     def test_raises_error_for_a_native_checkpoint(self, tmp_path: Path) -> None:
         save_file({"decoder_frontend.embed.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
 
