@@ -45,6 +45,22 @@ _MAX_BATCHED_PADDING: Final = 0.5
 
 ParameterInitializer = Callable[[Parameter], None]
 
+RouterPrecision = Literal["activation", "fp32"]
+"""
+Where :class:`TopKRouter` computes its logits ``x Wᵀ``:
+
+- ``activation``: as the surrounding computation would, in the autocast dtype
+  under autocast, otherwise in the dtype of the activations and the weight;
+  what transformers (``F.linear(hidden_states, weight)``) and vLLM (the gate
+  is a linear layer of the model dtype) do, so a model trained in bf16 routes
+  near-tied tokens in training as it will in serving;
+- ``fp32``: in fp32 with autocast disabled, so that near-tied experts are
+  ranked, and the load-balancing loss differentiated, at full precision, at
+  the price of routing some near-tied tokens differently from serving.
+
+The softmax over the logits is fp32 in both.
+"""
+
 
 @final
 class TopKRouter(Module):
@@ -52,11 +68,10 @@ class TopKRouter(Module):
 
     ``softmax(x Wᵀ)`` over all experts, the ``top_k`` largest probabilities,
     renormalised to sum to 1 (``normalize_top_k``; Qwen3.5 always does,
-    Qwen3-Next configs choose). The logits, not only the softmax, are
-    computed in fp32 with autocast disabled, so that under mixed precision
-    near-tied experts are ranked and the load-balancing loss is differentiated
-    at full precision. (Under FSDP2 mixed precision the weight arrives in the
-    parameter dtype and is upcast.)
+    Qwen3-Next configs choose). The softmax is fp32; where the logits are
+    computed is ``precision`` (see :data:`RouterPrecision`): by default as
+    transformers and vLLM compute them, so that a token whose experts nearly
+    tie goes in training to the experts it goes to in serving.
     """
 
     def __init__(
@@ -66,11 +81,17 @@ class TopKRouter(Module):
         top_k: int,
         *,
         normalize_top_k: bool = True,
+        precision: RouterPrecision = "activation",
         init_fn: ParameterInitializer | None = None,
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
         super().__init__()
+
+        if precision not in ("activation", "fp32"):
+            raise ValueError(
+                f"`precision` must be 'activation' or 'fp32', but is '{precision}' instead."
+            )
 
         if num_experts < 1:
             raise ValueError(
@@ -86,6 +107,7 @@ class TopKRouter(Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.normalize_top_k = normalize_top_k
+        self.precision = precision
         self.init_fn = init_fn
 
         self.weight = Parameter(
@@ -111,10 +133,15 @@ class TopKRouter(Module):
             - The indices of the selected experts, by decreasing probability.
               *Shape:* :math:`(T,K)`.
         """
-        with torch.autocast(seqs.device.type, enabled=False):
-            logits = F.linear(seqs.float(), self.weight.float())
+        if self.precision == "fp32":
+            # Under FSDP2 mixed precision the weight arrives in the parameter
+            # dtype and is upcast.
+            with torch.autocast(seqs.device.type, enabled=False):
+                logits = F.linear(seqs.float(), self.weight.float())
+        else:
+            logits = F.linear(seqs, self.weight)
 
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
 
         top_weights, top_indices = probs.topk(self.top_k, dim=-1)
 
@@ -129,7 +156,8 @@ class TopKRouter(Module):
             f"model_dim={self.model_dim}, "
             f"num_experts={self.num_experts}, "
             f"top_k={self.top_k}, "
-            f"normalize_top_k={self.normalize_top_k}"
+            f"normalize_top_k={self.normalize_top_k}, "
+            f"precision={self.precision}"
         )
 
 

@@ -19,7 +19,7 @@ from qwen35_fs2.models.config import (
     get_text_config,
     read_hf_text_fields,
 )
-from qwen35_fs2.models.moe import ExpertDispatch
+from qwen35_fs2.models.moe import ExpertDispatch, RouterPrecision
 
 QWEN35_MOE_FAMILY: Final = "qwen35_moe"
 
@@ -66,6 +66,15 @@ class Qwen35ExpertsConfig:
     How experts run on their tokens: ``grouped_mm`` (Hopper GPUs, bf16),
     ``batched`` or ``loop`` (anywhere), or ``auto``; see
     :data:`~qwen35_fs2.models.moe.ExpertDispatch`.
+    """
+
+    router_precision: RouterPrecision = "activation"
+    """
+    Where the router computes its logits: ``activation`` (in the autocast or
+    activation dtype, as transformers and vLLM do, so that training routes
+    near-tied tokens as serving will) or ``fp32``; see
+    :data:`~qwen35_fs2.models.moe.RouterPrecision`. Hugging Face configs have
+    no such setting; it is neither read from nor written to them.
     """
 
 
@@ -133,6 +142,11 @@ class Qwen35MoeConfig(Qwen35Config):
         if experts.dispatch not in ("auto", "grouped_mm", "batched", "loop"):
             result.add_error(
                 f"`experts.dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is '{experts.dispatch}' instead."
+            )
+
+        if experts.router_precision not in ("activation", "fp32"):
+            result.add_error(
+                f"`experts.router_precision` must be 'activation' or 'fp32', but is '{experts.router_precision}' instead."
             )
 
         return result

@@ -63,6 +63,7 @@ class Qwen35MoeFactory(Qwen35Factory):
             experts_config.num_experts,
             experts_config.top_k,
             normalize_top_k=experts_config.normalize_top_k,
+            precision=experts_config.router_precision,
             init_fn=self._init_expert_parameter,
         )
 

@@ -102,19 +102,96 @@ class TestTopKRouter:
         with pytest.raises(ValueError, match=r"`top_k` must be between 1 and `num_experts` \(4\), but is 5 instead\."):
             TopKRouter(MODEL_DIM, 4, 5)
 
-    def test_routes_in_fp32_under_autocast(self) -> None:
-        router = TopKRouter(MODEL_DIM, 6, 2, init_fn=_normal)
+    def test_raises_error_for_an_unknown_precision(self) -> None:
+        with pytest.raises(ValueError, match=r"`precision` must be 'activation' or 'fp32', but is 'bf16' instead\."):
+            TopKRouter(MODEL_DIM, 4, 2, precision="bf16")  # type: ignore[arg-type]
 
-        x = torch.randn(5, MODEL_DIM)
+    @pytest.mark.parametrize("bf16_weights", [False, True], ids=["autocast", "bf16-weights"])
+    def test_activation_precision_routes_as_transformers(self, bf16_weights: bool) -> None:
+        """Under bf16 autocast, or with bf16 weights and activations, the
+        default routes as transformers' Qwen3.5-MoE router: the logits of
+        ``F.linear(hidden_states, weight)`` in the activation dtype, an fp32
+        softmax, the top-k, renormalised."""
+        router = TopKRouter(MODEL_DIM, 8, 3, init_fn=_normal)
 
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(64, MODEL_DIM)
+
+        if bf16_weights:
+            router.bfloat16()
+
+            x = x.bfloat16()
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_weights):
             probs, weights, indices = router(x)
+
+            # transformers 5.24 `Qwen3_5MoeTopKRouter.forward`, written out.
+            expected_logits = F.linear(x, router.weight)
+
+        assert expected_logits.dtype == torch.bfloat16
+
+        expected_probs = F.softmax(expected_logits, dim=-1, dtype=torch.float)
+
+        expected_weights, expected_indices = expected_probs.topk(3, dim=-1)
+
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
 
         assert probs.dtype == torch.float32 and weights.dtype == torch.float32
 
-        expected = F.linear(x, router.weight).softmax(dim=-1)
+        assert torch.equal(probs, expected_probs)
+        assert torch.equal(indices, expected_indices)
+        assert torch.equal(weights, expected_weights)
 
-        torch.testing.assert_close(probs, expected)
+    @pytest.mark.parametrize("bf16_weights", [False, True], ids=["autocast", "bf16-weights"])
+    def test_fp32_precision_routes_in_fp32(self, bf16_weights: bool) -> None:
+        router = TopKRouter(MODEL_DIM, 8, 3, precision="fp32", init_fn=_normal)
+
+        x = torch.randn(64, MODEL_DIM)
+
+        if bf16_weights:
+            router.bfloat16()
+
+            x = x.bfloat16()
+
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not bf16_weights):
+            probs, weights, indices = router(x)
+
+        expected_probs = (x.double() @ router.weight.double().t()).softmax(dim=-1).float()
+
+        torch.testing.assert_close(probs, expected_probs, atol=1e-6, rtol=1e-5)
+
+        expected_weights, expected_indices = expected_probs.topk(3, dim=-1)
+
+        assert torch.equal(indices, expected_indices)
+
+        torch.testing.assert_close(weights, expected_weights / expected_weights.sum(dim=-1, keepdim=True))
+
+    def test_the_two_precisions_route_a_near_tie_differently(self) -> None:
+        """Expert 0 wins in exact arithmetic (16 + 7.2 u against 16 + 4.95 u,
+        u = 2⁻⁷); in bf16 its weights round down to 1, expert 1's first nine
+        round up to 1 + u, and expert 1 wins (16.125 against 16)."""
+        u = 2.0**-7
+
+        weight = torch.ones(2, MODEL_DIM)
+
+        weight[0] += 0.45 * u
+        weight[1, :9] += 0.55 * u
+
+        x = torch.ones(1, MODEL_DIM)
+
+        top1 = {}
+
+        for precision in ("activation", "fp32"):
+            router = TopKRouter(MODEL_DIM, 2, 1, precision=precision)  # type: ignore[arg-type]
+
+            with torch.no_grad():
+                router.weight.copy_(weight)
+
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, _, indices = router(x)
+
+            top1[precision] = indices.item()
+
+        assert top1 == {"activation": 1, "fp32": 0}
 
     def test_renormalizes_only_when_asked(self) -> None:
         x = torch.randn(5, MODEL_DIM)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ from fairseq2.runtime.dependency import get_dependency_resolver
 from fairseq2.utils.structured import ValueConverter
 from fairseq2.utils.validation import ValidationError
 
+from offline_hub import use_offline_hub_cache
 from qwen35_fs2 import Qwen35MoeConfig, qwen35_config_from_hf
 from qwen35_fs2.models import create_qwen35_moe_model, get_qwen35_moe_model_hub
-from qwen35_fs2.models.config import check_config
+from qwen35_fs2.models.config import adopt_hf_architecture, check_config
+from qwen35_fs2.models.moe import TopKRouter
 from qwen35_fs2.models.moe_config import qwen35_moe_config_from_hf, tiny_qwen35_moe_config
 
 # Qwen3.5-35B-A3B in the released vision-language layout (values from the
@@ -149,6 +152,7 @@ class TestQwen35MoeConfig:
         config.experts.num_experts = 0
         config.experts.dense_layers = [4]
         config.experts.dispatch = "dense"  # type: ignore[assignment]
+        config.experts.router_precision = "bf16"  # type: ignore[assignment]
 
         with pytest.raises(ValidationError) as info:
             check_config(config)
@@ -158,6 +162,24 @@ class TestQwen35MoeConfig:
         assert "`experts.num_experts` must be greater than or equal to 1, but is 0 instead." in message
         assert "`experts.dense_layers` must hold layer indices in [0, 4), but holds 4." in message
         assert "`experts.dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is 'dense' instead." in message
+        assert "`experts.router_precision` must be 'activation' or 'fp32', but is 'bf16' instead." in message
+
+    @pytest.mark.parametrize("precision", ["activation", "fp32"])
+    def test_every_router_computes_its_logits_at_the_configured_precision(self, precision: str) -> None:
+        config = tiny_qwen35_moe_config()
+
+        config.experts.router_precision = precision  # type: ignore[assignment]
+
+        model = create_qwen35_moe_model(config)
+
+        routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+        assert len(routers) == config.num_layers
+
+        assert all(router.precision == precision for router in routers)
+
+    def test_routers_compute_their_logits_as_serving_does_by_default(self) -> None:
+        assert Qwen35MoeConfig().experts.router_precision == "activation"
 
     def test_model_creation_rejects_an_invalid_config(self) -> None:
         config = tiny_qwen35_moe_config()
@@ -166,6 +188,27 @@ class TestQwen35MoeConfig:
 
         with pytest.raises(ValidationError, match="`experts.top_k`"):
             create_qwen35_moe_model(config)
+
+
+class TestAdoptHfArchitecture:
+    def test_takes_the_expert_fields_and_keeps_dispatch_and_router_precision(self) -> None:
+        config = get_qwen35_moe_model_hub().get_arch_config("qwen35_moe_397b_a17b")
+
+        config.experts.dispatch = "loop"
+        config.experts.router_precision = "fp32"
+
+        adopted, changes = adopt_hf_architecture(config, qwen35_config_from_hf(_HG_35B_A3B_CONFIG))
+
+        expected = Qwen35MoeConfig()
+
+        expected.experts.dispatch = "loop"
+        expected.experts.router_precision = "fp32"
+
+        assert adopted == expected
+
+        assert "`experts.num_experts` 512 -> 256" in changes and "`experts.top_k` 10 -> 8" in changes
+
+        assert not any("dispatch" in change or "router_precision" in change for change in changes)
 
 
 class TestQwen35MoeConfigFromHf:
@@ -239,7 +282,13 @@ class TestAssetCards:
             ("qwen3_next_80b_a3b_thinking", "qwen3_next_80b_a3b", "Qwen3-Next-80B-A3B-Thinking"),
         ],
     )
-    def test_released_models_have_cards_of_the_moe_family_and_their_arch(self, name: str, arch: str, repo: str) -> None:
+    def test_released_models_have_cards_of_the_moe_family_and_their_arch(
+        self, name: str, arch: str, repo: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    ) -> None:
+        # Without a config.json of the checkpoint, the card's config is its
+        # arch's.
+        use_offline_hub_cache(monkeypatch, tmp_path)
+
         hub = get_qwen35_moe_model_hub()
 
         card = get_asset_store().retrieve_card(name)
