@@ -4,28 +4,35 @@ With Qwen3.5's 248,320-entry vocabulary, fairseq2's
 :meth:`TransformerLM.compute_fused_loss` holds the logits and their fp32
 log-probabilities for every token of the batch at once: 16k tokens take about
 16 GB for the log-probabilities alone. Here the final projection and the cross
-entropy run over chunks of tokens, so that peak memory is one chunk's logits
-instead of the batch's:
+entropy run piece by piece, so that peak memory is the logits of
+``chunk_size`` tokens instead of the batch's:
 
 - when training with a summed or mean loss through a plain (tied or
-  unsharded) projection, the forward pass computes each chunk's gradients
-  with respect to the decoder output and the projection right away, from the
-  chunk's softmax, and frees the chunk (as Liger-Kernel's fused linear cross
-  entropy does); the backward pass only scales them. This also skips the
-  second projection that recomputing the logits would take;
-- otherwise each chunk is checkpointed: its logits are freed after the
-  forward pass and recomputed, one chunk at a time, in the backward pass.
+  unsharded) projection, the pieces are blocks of classes, each over all
+  tokens. The forward pass keeps only each token's log-sum-exp; the backward
+  pass recomputes each block's logits and forms their gradient in fp32,
+  multiplied by the incoming gradient before it is rounded to the compute
+  dtype, so that fp16 training gets its loss scale applied before small
+  probabilities underflow. Nothing of the projection's size is held between
+  the passes, and the weight's gradient is written in place, block by block,
+  without an fp32 copy. This costs one more projection (the logits twice)
+  than computing the gradients in the forward pass; see
+  ``docs/performance.md``;
+- otherwise the pieces are chunks of tokens, each checkpointed: its logits
+  are freed after the forward pass and recomputed, one chunk at a time, in
+  the backward pass.
 
 The semantics are those of :func:`fairseq2.nn.functional.cross_entropy`
 (``pad_idx``, ``target_mask``, ``reduction``, ``label_smoothing``), which each
-chunk calls. Targets equal to ``pad_idx`` never count; a model that must learn
-to predict its pad token (pretraining, where the end-of-document token
-``<|endoftext|>`` is also Qwen3.5's pad token) must be built with
-``pad_idx=None``.
+checkpointed chunk calls. Targets equal to ``pad_idx`` never count; a model
+that must learn to predict its pad token (pretraining, where the
+end-of-document token ``<|endoftext|>`` is also Qwen3.5's pad token) must be
+built with ``pad_idx=None``.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from types import MethodType
 from typing import Any, Final, Literal
@@ -33,16 +40,21 @@ from typing import Any, Final, Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import ColumnShardedLinear, Linear, Projection, TiedProjection
 from fairseq2.nn.functional import cross_entropy
 
+from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
+
 DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
 """
-The default number of tokens per chunk: the fp32 log-probabilities of a chunk
-take ``chunk_size * vocab_size * 4`` bytes (1 GiB with Qwen3.5's vocabulary).
+The default number of tokens whose logits are computed at once: their fp32
+logits take ``chunk_size * vocab_size * 4`` bytes (1 GiB with Qwen3.5's
+vocabulary). The fused path computes as many logits at once, as a block of
+``chunk_size * vocab_size / num_tokens`` classes for all tokens.
 """
 
 
@@ -58,7 +70,8 @@ def chunked_cross_entropy(
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
 ) -> Tensor:
     """Computes ``cross_entropy(final_proj(decoder_output), targets, ...)``
-    over chunks of ``chunk_size`` tokens.
+    with the logits of at most ``chunk_size`` tokens at once (see the module
+    docstring).
 
     :param decoder_output: *Shape:* :math:`(N,S,M)`, or :math:`(S,M)` if
         packed.
@@ -105,15 +118,26 @@ def chunked_cross_entropy(
         if proj_params is not None:
             weight, bias = proj_params
 
+            target_weights = _get_target_weights(flat_targets, pad_idx, flat_mask)
+
+            if reduction == "mean":
+                # As in `cross_entropy`, the mean of no target is NaN (0 / 0).
+                target_weights = target_weights / target_weights.sum()
+
+            # Under autocast, the projection runs in the autocast dtype.
+            compute_dtype = autocast_dtype(flat_output)
+
+            block_size = _class_block_size(flat_targets.size(0), weight.size(0), chunk_size)
+
             loss: Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
                 flat_output,
                 weight,
                 bias,
                 flat_targets,
-                _get_target_weights(flat_targets, pad_idx, flat_mask),
-                reduction == "mean",
+                target_weights,
+                compute_dtype,
                 label_smoothing,
-                chunk_size,
+                block_size,
             )
 
             return loss
@@ -221,18 +245,28 @@ def _get_target_weights(
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Computes ``sum_i w_i CE(x_i W^T + b, t_i)`` (or its mean over the counted
-    targets) and, in the same pass over the chunks of tokens, its gradients
-    with respect to ``x``, ``W`` and ``b``.
+    """Computes ``sum_i w_i CE(x_i W^T + b, t_i)`` over blocks of classes,
+    each spanning all tokens; ``w_i`` includes the ``1 / count`` of a mean.
 
     With label smoothing ``e`` and ``V`` classes, the loss of a token is
     ``(1 - e - e') nll + e' smooth`` with ``e' = e / (V - 1)``, ``nll = lse -
     z_t`` and ``smooth = V lse - sum_j z_j``, as in
     :func:`fairseq2.nn.functional.cross_entropy`; its gradient with respect to
     the logits is ``(1 - e - e' + e' V) p - (1 - e - e') onehot(t) - e'``.
+
+    The forward pass keeps only each token's log-sum-exp (as two numbers).
+    The backward pass recomputes the logits block by block and forms their
+    gradient in fp32, multiplied by ``grad_output`` before it is rounded to
+    the compute dtype: under fp16 the loss scale arrives in ``grad_output``,
+    and the probabilities of a large vocabulary (1e-6 and below) are
+    representable only once scaled. Because a block spans all tokens, its
+    rows of the weight gradient are one GEMM written into place (no ``(V,
+    M)`` fp32 accumulator), and only the ``(N, M)`` gradient of ``x``
+    accumulates over the blocks, in fp32.
     """
 
     @staticmethod
+    @autocast_free
     def forward(
         ctx: Any,
         inputs: Tensor,
@@ -240,111 +274,187 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         bias: Tensor | None,
         targets: Tensor,
         target_weights: Tensor,
-        mean: bool,
+        compute_dtype: torch.dtype,
         label_smoothing: float,
-        chunk_size: int,
+        block_size: int,
     ) -> Tensor:
         num_classes = weight.size(0)
 
-        smoothing = label_smoothing / (num_classes - 1) if label_smoothing > 0.0 else 0.0
+        # As an index out of range would in `cross_entropy`, without a
+        # device synchronisation.
+        torch._assert_async(
+            ((targets >= 0) & (targets < num_classes)).all(),
+            f"`targets` must be class indices in [0, {num_classes}), but some are not.",
+        )
 
-        nll_coeff = 1.0 - label_smoothing - smoothing
+        smoothing, nll_coeff = _smoothing_coeffs(label_smoothing, num_classes)
+
+        # Each token's log-sum-exp, kept as ``max + log(sum)`` (as
+        # `log_softmax` computes it): the backward pass subtracts the two in
+        # turn, which leaves the log-probabilities exact to a few of their
+        # own ulps instead of those of the logits.
+        max_logits = torch.full_like(target_weights, -math.inf)
+
+        sum_exps = torch.zeros_like(target_weights)
+
+        target_logits = torch.zeros_like(target_weights)
+
+        logit_sums = torch.zeros_like(target_weights)
+
+        compute_inputs = inputs.to(compute_dtype)
+
+        for begin in range(0, num_classes, block_size):
+            _, logits, block_targets, in_block = _block_logits(
+                compute_inputs, weight, bias, targets, begin, block_size
+            )
+
+            block_target_logits = logits.gather(-1, block_targets).squeeze(-1)
+
+            target_logits = torch.where(in_block, block_target_logits, target_logits)
+
+            if smoothing > 0.0:
+                logit_sums += logits.sum(-1)
+
+            new_max_logits = torch.maximum(max_logits, logits.amax(-1))
+
+            sum_exps = sum_exps * (max_logits - new_max_logits).exp()
+
+            sum_exps += logits.sub_(new_max_logits.unsqueeze(-1)).exp_().sum(-1)
+
+            max_logits = new_max_logits
+
+            # Frees the block before the next one is computed.
+            del logits
+
+        log_sum_exps = sum_exps.log()
+
+        token_loss = nll_coeff * (max_logits - target_logits + log_sum_exps)
+
+        if smoothing > 0.0:
+            lse = max_logits + log_sum_exps
+
+            token_loss = token_loss + smoothing * (num_classes * lse - logit_sums)
+
+        ctx.save_for_backward(inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps)
+
+        ctx.compute_dtype = compute_dtype
+        ctx.label_smoothing = label_smoothing
+        ctx.block_size = block_size
+
+        return (token_loss * target_weights).sum()
+
+    @staticmethod
+    @autocast_free
+    @once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps = ctx.saved_tensors
+
+        need_input_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
+
+        num_classes = weight.size(0)
+
+        smoothing, nll_coeff = _smoothing_coeffs(ctx.label_smoothing, num_classes)
 
         # The coefficient of the softmax in the gradient of the logits.
         softmax_coeff = nll_coeff + smoothing * num_classes
 
-        scale = 1.0
+        # Scales each token's logit gradient in fp32, before any rounding.
+        # *Shape:* (N, 1)
+        token_scales = (target_weights * grad_output).unsqueeze(-1)
 
-        if mean:
-            num_targets = target_weights.sum().item()
+        max_logits, log_sum_exps = max_logits.unsqueeze(-1), log_sum_exps.unsqueeze(-1)
 
-            # As in `cross_entropy`, the mean of no target is NaN.
-            scale = 1.0 / num_targets if num_targets > 0 else float("nan")
+        compute_inputs = inputs.to(ctx.compute_dtype)
 
-        need_input_grad = inputs.requires_grad
-        need_weight_grad = weight.requires_grad
-        need_bias_grad = bias is not None and bias.requires_grad
+        input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
 
-        input_grad = torch.empty_like(inputs) if need_input_grad else None
+        weight_grad = torch.empty_like(weight) if need_weight_grad else None
 
-        weight_grad = torch.zeros_like(weight, dtype=torch.float32) if need_weight_grad else None
+        bias_grad = torch.empty_like(bias) if need_bias_grad else None
 
-        bias_grad = torch.zeros_like(bias, dtype=torch.float32) if need_bias_grad else None  # type: ignore[arg-type]
-
-        loss = inputs.new_zeros((), dtype=torch.float32)
-
-        for begin in range(0, targets.size(0), chunk_size):
-            end = begin + chunk_size
-
-            chunk_inputs = inputs[begin:end]
-            chunk_targets = targets[begin:end]
-
-            # The counted targets, scaled for `mean`. *Shape:* (C, 1)
-            chunk_weights = target_weights[begin:end].unsqueeze(-1) * scale
-
-            logits = F.linear(chunk_inputs, weight, bias)
-
-            compute_dtype = logits.dtype
-
-            # For numerical stability, the softmax runs in fp32, in place.
-            logits = logits.float()
-
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-
-            target_logits = logits.gather(-1, chunk_targets.unsqueeze(-1))
-
-            token_loss = nll_coeff * (lse - target_logits)
-
-            if smoothing > 0.0:
-                token_loss = token_loss + smoothing * (num_classes * lse - logits.sum(-1, keepdim=True))
-
-            loss += (token_loss * chunk_weights).sum()
-
-            if input_grad is None and weight_grad is None and bias_grad is None:
-                continue
-
-            # The gradient of the chunk's loss with respect to its logits.
-            grad = logits.sub_(lse).exp_().mul_(softmax_coeff)
-
-            grad.scatter_add_(
-                -1, chunk_targets.unsqueeze(-1), grad.new_full(target_logits.shape, -nll_coeff)
+        for begin in range(0, num_classes, ctx.block_size):
+            block_weight, logits, block_targets, in_block = _block_logits(
+                compute_inputs, weight, bias, targets, begin, ctx.block_size
             )
+
+            end = begin + block_weight.size(0)
+
+            # The gradient of the loss with respect to the block's logits, in
+            # place of them.
+            grad = logits.sub_(max_logits).sub_(log_sum_exps).exp_().mul_(softmax_coeff)
+
+            grad.scatter_add_(-1, block_targets, in_block.unsqueeze(-1).to(grad.dtype).mul_(-nll_coeff))
 
             if smoothing > 0.0:
                 grad.sub_(smoothing)
 
-            grad.mul_(chunk_weights)
+            grad.mul_(token_scales)
 
             if bias_grad is not None:
-                bias_grad += grad.sum(0)
+                bias_grad[begin:end] = grad.sum(0)
 
-            # The gradients run in the dtype of the forward projection.
-            grad = grad.to(compute_dtype)
-
-            if input_grad is not None:
-                input_grad[begin:end] = grad @ weight.to(compute_dtype)
+            grad = grad.to(ctx.compute_dtype)
 
             if weight_grad is not None:
-                weight_grad += grad.t() @ chunk_inputs.to(compute_dtype)
+                # An fp32 weight under autocast takes the block's gradient
+                # through a copy in the compute dtype.
+                if weight_grad.dtype == grad.dtype:
+                    torch.mm(grad.t(), compute_inputs, out=weight_grad[begin:end])
+                else:
+                    weight_grad[begin:end] = grad.t() @ compute_inputs
 
+            if input_grad is not None:
+                input_grad += grad @ block_weight
+
+            # Frees the block before the next one is computed.
             del grad, logits
 
-        ctx.save_for_backward(
-            input_grad,
-            None if weight_grad is None else weight_grad.to(weight.dtype),
-            None if bias_grad is None else bias_grad.to(bias.dtype),  # type: ignore[union-attr]
-        )
+        if input_grad is not None:
+            input_grad = input_grad.to(inputs.dtype)
 
-        return loss
+        return input_grad, weight_grad, bias_grad, None, None, None, None, None
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        input_grad, weight_grad, bias_grad = ctx.saved_tensors
 
-        def scale(grad: Tensor | None) -> Tensor | None:
-            return None if grad is None else grad * grad_output.to(grad.dtype)
+def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, float]:
+    """Returns ``e'`` and ``1 - e - e'`` of :class:`_FusedLinearCrossEntropy`."""
+    smoothing = label_smoothing / (num_classes - 1) if label_smoothing > 0.0 else 0.0
 
-        return scale(input_grad), scale(weight_grad), scale(bias_grad), None, None, None, None, None
+    return smoothing, 1.0 - label_smoothing - smoothing
+
+
+def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int:
+    """Returns the number of classes whose logits for ``num_tokens`` tokens
+    are at most as many as all the logits of ``chunk_size`` tokens."""
+    if num_tokens <= chunk_size:
+        return num_classes
+
+    return max(1, chunk_size * num_classes // num_tokens)
+
+
+def _block_logits(
+    inputs: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, begin: int, block_size: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Returns, for the block of ``block_size`` classes from ``begin``: its
+    rows of ``weight`` in the dtype of ``inputs``, its fp32 logits, each
+    target's index in the block (clamped into it) as a column, and whether
+    the target is in the block.
+
+    Only the block's rows of ``weight`` are cast, so that an fp32 weight
+    under autocast is never copied whole."""
+    block_weight = weight[begin : begin + block_size].to(inputs.dtype)
+
+    block_bias = None if bias is None else bias[begin : begin + block_size].to(inputs.dtype)
+
+    # For numerical stability, the softmax runs in fp32.
+    logits = F.linear(inputs, block_weight, block_bias).float()
+
+    offsets = targets - begin
+
+    in_block = (offsets >= 0) & (offsets < block_weight.size(0))
+
+    block_targets = offsets.clamp(0, block_weight.size(0) - 1).unsqueeze(-1)
+
+    return block_weight, logits, block_targets, in_block
 
 
 def _count_loss_targets(
