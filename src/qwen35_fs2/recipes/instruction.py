@@ -13,6 +13,7 @@ malformed row stops the recipe before any model is built or trained.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -121,6 +122,37 @@ def read_instruction_examples(
         raise InstructionDataError(f"The sources {paths} must contain at least one example, but contain none.")  # fmt: skip
 
     return examples
+
+
+def hold_out_examples(
+    examples: Sequence[InstructionExample], num_held_out: int
+) -> tuple[list[InstructionExample], list[InstructionExample]]:
+    """Splits ``examples`` into the examples to train on and ``num_held_out``
+    examples to validate on, both in their original order.
+
+    The held-out examples are those whose prompts have the smallest SHA-256
+    digests (ties go to the earlier example): a fixed pseudo-random sample
+    that depends neither on the seed nor on the order of the files or the
+    number of ranks, so every run of a dataset validates on the same
+    examples and never trains on them. (Copies of one prompt rank next to
+    each other, and only the last held-out rank may split them.)
+    """
+    if num_held_out >= len(examples):
+        raise InstructionDataError(
+            f"`num_held_out_examples` must be less than the number of training examples ({len(examples)}), but is {num_held_out} instead. Hold out fewer examples, or validate on `valid` instead."
+        )
+
+    def digest(idx: int) -> bytes:
+        return hashlib.sha256(examples[idx]["prompt"].encode("utf-8")).digest()
+
+    ranked = sorted(range(len(examples)), key=lambda idx: (digest(idx), idx))
+
+    held_out = set(ranked[:num_held_out])
+
+    train = [e for idx, e in enumerate(examples) if idx not in held_out]
+    valid = [e for idx, e in enumerate(examples) if idx in held_out]
+
+    return train, valid
 
 
 def _list_source_files(

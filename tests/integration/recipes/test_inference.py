@@ -11,7 +11,7 @@ SFT_OVERRIDES = (
     TINY_MODEL_OVERRIDES,
     "dataset.max_seq_len=256",
     "dataset.max_num_tokens=256",
-    "dataset.valid=[]",
+    "dataset.num_held_out_examples=0",
     "regime.num_steps=2",
     "regime.checkpoint_every_n_steps=2",
     "regime.validate_every_n_steps=null",

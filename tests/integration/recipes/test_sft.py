@@ -12,12 +12,13 @@ from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
 CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
 
 # 6 steps of one or two packed examples, a constant learning rate (so that the
-# schedule does not depend on `num_steps`), no validation.
+# schedule does not depend on `num_steps`), no validation (the config holds out
+# training examples for it).
 OVERRIDES = (
     TINY_MODEL_OVERRIDES,
     "dataset.max_seq_len=256",
     "dataset.max_num_tokens=256",
-    "dataset.valid=[]",
+    "dataset.num_held_out_examples=0",
     "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
     "regime.num_steps=6",
     "regime.checkpoint_every_n_steps=3",
@@ -85,6 +86,36 @@ class TestInstructionFinetuneCPU:
         assert valid[6]["Number of Examples"] == 6
 
         assert output_dir.joinpath("checkpoints", "step_6", "model").is_dir()
+
+    def test_validates_on_held_out_training_examples_and_trains_on_the_others(self, tmp_path: Path) -> None:
+        train_file = tmp_path / "train.jsonl"
+
+        with train_file.open("w", encoding="utf-8") as fp:
+            for example in generate_synthetic_gsm8k(12, seed=9):
+                fp.write(json.dumps({"question": example.question, "answer": example.answer}) + "\n")
+
+        output_dir = tmp_path / "out"
+
+        # One epoch, then a validation at its end.
+        overrides = [
+            *OVERRIDES,
+            f"dataset.train=[{{path: {train_file}}}]",
+            "dataset.num_held_out_examples=4",
+            "regime.num_steps=100",
+            "regime.num_data_epochs=1",
+        ]
+
+        process = run_recipe("instruction_finetune", output_dir, CONFIG, overrides)
+
+        train = read_metrics(output_dir)
+
+        assert sum(record["Number of Examples"] for record in train.values()) == 8
+
+        valid = read_metrics(output_dir, "valid")
+
+        assert [record["Number of Examples"] for record in valid.values()] == [4]
+
+        assert "Held out 4 of the 12 training examples for validation." in process.stdout
 
     def test_a_nan_loss_stops_both_processes_with_a_clear_error(self, tmp_path: Path) -> None:
         # An absurd learning rate turns the weights, then the loss, into NaN.

@@ -36,7 +36,19 @@ class SFTDatasetSection:
     """The training examples."""
 
     valid: list[InstructionSource] = field(default_factory=list)
-    """The validation examples; if empty, the recipe does not validate."""
+    """
+    The validation examples. If empty and ``num_held_out_examples`` is 0, the
+    recipe does not validate.
+    """
+
+    num_held_out_examples: int = 0
+    """
+    If greater than 0, the number of ``train`` examples held out of training
+    and validated on, instead of ``valid``: those whose prompts have the
+    smallest SHA-256 digests, the same whatever the seed, the order of the
+    files or the number of ranks (for data without a validation split, such as
+    GSM8K, whose test split is for ``lm eval_gsm8k``).
+    """
 
     max_num_valid_examples: int | None = None
     """If not ``None``, only the first validation examples are used."""
@@ -98,6 +110,15 @@ class SFTDatasetSection:
                 result.add_error(
                     "`batch_size` must be `None` when `packing` is `True`, since packed batches are sized by `max_num_tokens`."
                 )
+
+        if self.num_held_out_examples < 0:
+            result.add_error(
+                f"`num_held_out_examples` must be greater than or equal to 0, but is {self.num_held_out_examples} instead."
+            )
+        elif self.num_held_out_examples > 0 and self.valid:
+            result.add_error(
+                f"`valid` must be empty when `num_held_out_examples` is greater than 0, but has {len(self.valid)} source(s). Validate on held-out training examples or on `valid`, not both."
+            )
 
         if self.max_num_valid_examples is not None and self.max_num_valid_examples < 1:
             result.add_error(

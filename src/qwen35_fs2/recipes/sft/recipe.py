@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
 from fairseq2.datasets import SyncMode
+from fairseq2.logging import log
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
 from fairseq2.task import Task
@@ -19,7 +20,12 @@ from qwen35_fs2.recipes.common import (
     check_sft_vocabulary,
     get_sft_pad_idx,
 )
-from qwen35_fs2.recipes.instruction import ChatEncoder, read_instruction_examples
+from qwen35_fs2.recipes.instruction import (
+    ChatEncoder,
+    InstructionExample,
+    hold_out_examples,
+    read_instruction_examples,
+)
 from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig
 from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
 
@@ -38,12 +44,21 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
 
         train_examples = read_instruction_examples(section.train, download_manager)
 
-        if section.valid:
-            valid_examples = read_instruction_examples(section.valid, download_manager)
+        valid_examples: list[InstructionExample] | None
 
-            valid_examples = valid_examples[: section.max_num_valid_examples]
+        if section.num_held_out_examples > 0:
+            train_examples, valid_examples = hold_out_examples(
+                train_examples, section.num_held_out_examples
+            )
+
+            log.info("Held out {} of the {} training examples for validation.", len(valid_examples), len(train_examples) + len(valid_examples))  # fmt: skip
+        elif section.valid:
+            valid_examples = read_instruction_examples(section.valid, download_manager)
         else:
             valid_examples = None
+
+        if valid_examples is not None:
+            valid_examples = valid_examples[: section.max_num_valid_examples]
 
         tokenizer = context.get_tokenizer()
 
