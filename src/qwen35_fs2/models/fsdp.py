@@ -14,6 +14,14 @@ only around its forward and backward passes. For Qwen3.5 that means:
 - ``model``: the whole model is one unit, not resharded after its forward
   pass.
 
+At every granularity, the ``A_log`` and ``dt_bias`` of each Gated DeltaNet
+layer (its :class:`~qwen35_fs2.models.gated_deltanet.GatedDeltaNetDecay`) are
+a small unit of their own, gathered and reduced in fp32 under mixed precision
+(``mamba_ssm_dtype: float32``), and kept gathered between forward and
+backward (two vectors of ``H_v`` entries per layer). fairseq2's recipes wrap
+``model`` granularity themselves, without this applier: the decay parameters
+are then cast with the rest, and the layers warn about it.
+
 MoE experts are stacked ``(E, 2I, M)`` and ``(E, M, I)`` tensors, so FSDP2's
 first-dimension sharding gives each rank whole experts (``E / sdp_size`` of
 them, the last ranks fewer if ``E`` is not a multiple). Under tensor
@@ -35,6 +43,9 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.models.utils.fsdp import apply_layerwise_fsdp
 from fairseq2.nn.fsdp import FSDPWrapper
 
+from qwen35_fs2.models.fsdp_unit_precision import keep_fsdp_unit_in_fp32
+from qwen35_fs2.models.gated_deltanet import GatedDeltaNetDecay
+
 QWEN35_FSDP_GRANULARITIES: Final = ("layer", "stack", "model")
 
 
@@ -51,6 +62,18 @@ def apply_fsdp_to_qwen35(
     if isinstance(model, FSDPModule):
         return model
 
+    if granularity not in QWEN35_FSDP_GRANULARITIES:
+        raise ValueError(
+            f"`granularity` must be one of {', '.join(QWEN35_FSDP_GRANULARITIES)}, but is '{granularity}' instead."
+        )
+
+    # First, inside every unit below: the decay parameters of the Gated
+    # DeltaNet layers, gathered and reduced in fp32.
+    decays = [m for m in model.modules() if isinstance(m, GatedDeltaNetDecay)]
+
+    for decay in decays:
+        keep_fsdp_unit_in_fp32(wrapper(decay, reshard_after_forward=False))
+
     if granularity == "layer":
         apply_layerwise_fsdp(model.decoder.layers, wrapper)
 
@@ -61,12 +84,7 @@ def apply_fsdp_to_qwen35(
 
         return model
 
-    if granularity == "model":
-        return wrapper(model, reshard_after_forward=False)
-
-    raise ValueError(
-        f"`granularity` must be one of {', '.join(QWEN35_FSDP_GRANULARITIES)}, but is '{granularity}' instead."
-    )
+    return wrapper(model, reshard_after_forward=False)
 
 
 def shard_qwen35_with_fsdp2(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import final
 
 import torch
@@ -14,6 +15,7 @@ from typing_extensions import override
 from fairseq2.data_type import DataType
 from fairseq2.device import Device
 from fairseq2.gang import Gangs, get_current_gangs
+from fairseq2.logging import log
 from fairseq2.nn import (
     BatchLayout,
     ColumnShardedLinear,
@@ -31,7 +33,7 @@ from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
 @final
-class GatedDeltaNet(Module, Sharded):
+class GatedDeltaNet(Module):
     """The Gated DeltaNet token mixer (Yang et al., 2024) as used by Qwen3.5.
 
     ::
@@ -130,13 +132,7 @@ class GatedDeltaNet(Module, Sharded):
             dtype=dtype,
         )
 
-        self.A_log = Parameter(
-            torch.empty((self.num_local_value_heads,), device=device, dtype=dtype)
-        )
-
-        self.dt_bias = Parameter(
-            torch.empty((self.num_local_value_heads,), device=device, dtype=dtype)
-        )
+        self.decay = GatedDeltaNetDecay(self.num_local_value_heads, device=device, dtype=dtype)
 
         self.norm = GatedRMSNorm(
             value_head_dim, eps=norm_eps, backend=backend, device=device, dtype=dtype
@@ -152,17 +148,6 @@ class GatedDeltaNet(Module, Sharded):
             device=device,
             dtype=dtype,
         )
-
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Initializes the decay parameters as the released models were."""
-        with torch.no_grad():
-            # A ~ U(0.01, 16): the lower bound keeps log(A) finite and avoids
-            # near-zero decay heads under bf16.
-            self.A_log.uniform_(0.01, 16.0).log_()
-
-        torch.nn.init.ones_(self.dt_bias)
 
     def forward(
         self,
@@ -238,8 +223,8 @@ class GatedDeltaNet(Module, Sharded):
         # (N, S, HV)
         beta = self.in_proj_b(x).sigmoid()
 
-        # The log decay is formed in fp32: it is summed over whole chunks.
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        # (N, S, HV), fp32
+        g = self.decay(self.in_proj_a(x))
 
         if seqs_layout.padded and not seqs_layout.packed:
             # Pad positions neither decay nor write the state, so the final
@@ -282,10 +267,6 @@ class GatedDeltaNet(Module, Sharded):
         return output
 
     @override
-    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
-        return [(self.A_log, 0), (self.dt_bias, 0)]
-
-    @override
     def extra_repr(self) -> str:
         s = (
             f"num_key_heads={self.num_key_heads}, "
@@ -299,6 +280,109 @@ class GatedDeltaNet(Module, Sharded):
             s = f"{s}, tp_rank={self.tp_gang.rank}, tp_size={self.tp_gang.size}"
 
         return s
+
+
+@final
+class GatedDeltaNetDecay(Module, Sharded):
+    """Forms the log decay of every token and value head,
+    ``g = -exp(A_log) * softplus(a + dt_bias)``, from ``a = in_proj_a(x)``.
+
+    ``A_log`` and ``dt_bias`` are fp32 parameters, and ``g`` is formed in fp32,
+    whatever the dtype of the rest of the model, as the released configs ask
+    (``mamba_ssm_dtype: float32``): ``g`` is summed over whole chunks, so its
+    rounding compounds, and a bf16 ``A_log`` would move each head's decay rate
+    by up to 0.4 %. The parameters stay fp32 when the model is built in or
+    cast to a lower precision (``.to(torch.bfloat16)``, loading in bf16), and
+    the FSDP applier makes this module an FSDP unit of its own whose
+    parameters are gathered, and whose gradients are reduced, in fp32 under
+    static mixed precision.
+
+    Under tensor parallelism each rank holds the entries of its value heads.
+    """
+
+    def __init__(
+        self,
+        num_value_heads: int,
+        *,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        """
+        :param num_value_heads: The value heads of this rank.
+        :param dtype: The dtype of the model; the parameters are at least
+            fp32 (fp64 models, for gradient checks, keep fp64).
+        """
+        super().__init__()
+
+        self.num_value_heads = num_value_heads
+
+        param_dtype = _at_least_fp32(dtype or torch.get_default_dtype())
+
+        self.A_log = Parameter(torch.empty((num_value_heads,), device=device, dtype=param_dtype))
+
+        self.dt_bias = Parameter(torch.empty((num_value_heads,), device=device, dtype=param_dtype))
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Initializes the parameters as the released models were."""
+        with torch.no_grad():
+            # A ~ U(0.01, 16): the lower bound keeps log(A) finite and avoids
+            # near-zero decay heads.
+            self.A_log.uniform_(0.01, 16.0).log_()
+
+        torch.nn.init.ones_(self.dt_bias)
+
+    def forward(self, a: Tensor) -> Tensor:
+        """
+        :param a: *Shape:* :math:`(*,H_v)`.
+
+        :returns: The log decay, ``<= 0``. *Shape:* Same as ``a``; fp32 (or the
+            dtype of the parameters, if wider).
+        """
+        if self.A_log.dtype not in (torch.float32, torch.float64):
+            _warn_low_precision_decay(self.A_log.dtype)
+
+        dtype = _at_least_fp32(self.A_log.dtype)
+
+        A = self.A_log.to(dtype).exp()
+
+        return -A * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
+
+    @override
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Module:
+        # `Module.to()`, `.bfloat16()`, `.half()` and fairseq2's dtype casts
+        # all end here: the parameters follow every device move but keep at
+        # least fp32.
+        def keep_at_least_fp32(t: Tensor) -> Tensor:
+            out = fn(t)
+
+            if out.is_floating_point() and out.dtype != _at_least_fp32(out.dtype):
+                return t.to(device=out.device, dtype=_at_least_fp32(t.dtype))
+
+            return out
+
+        return super()._apply(keep_at_least_fp32, recurse)
+
+    @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        return [(self.A_log, 0), (self.dt_bias, 0)]
+
+    @override
+    def extra_repr(self) -> str:
+        return f"num_value_heads={self.num_value_heads}"
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+@cache
+def _warn_low_precision_decay(dtype: torch.dtype) -> None:
+    log.warning(
+        "The Gated DeltaNet decay parameters (A_log, dt_bias) arrive in {} in a forward pass, which rounds every head's decay rate. Under FSDP, use a granularity of 'layer' or 'stack', whose applier keeps them in fp32.",
+        dtype,
+    )
 
 
 @final

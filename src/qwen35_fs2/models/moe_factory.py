@@ -7,9 +7,10 @@ from torch.nn import Parameter
 from typing_extensions import override
 
 from fairseq2.models.transformer import FeedForwardNetwork, GLUFeedForwardNetwork
-from fairseq2.models.transformer_lm import TransformerLM, TransformerLMDecoderLayer
+from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import Linear, PositionEncoder
 
+from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.factory import Qwen35Factory
 from qwen35_fs2.models.moe import (
     Qwen35MoeBlock,
@@ -36,7 +37,7 @@ class Qwen35MoeFactory(Qwen35Factory):
     @override
     def create_decoder_layer(
         self, layer_idx: int, pos_encoder: PositionEncoder
-    ) -> TransformerLMDecoderLayer:
+    ) -> Qwen35DecoderLayer:
         layer = super().create_decoder_layer(layer_idx, pos_encoder)
 
         if self._moe_config.is_moe_layer(layer_idx):

@@ -24,9 +24,9 @@ def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
 
     Column-sharded projections split dimension 0 of their weight, row-sharded
     ones dimension 1; ``region_boundary`` marks those whose output (column)
-    or input (row) stays sharded. ``linear_attn`` itself splits its
-    ``A_log`` and ``dt_bias`` by value head and ``ffn.experts`` its stacked
-    weights by expert. ``k_proj`` and ``v_proj`` are stored split by rows
+    or input (row) stays sharded. ``linear_attn.decay`` splits its ``A_log``
+    and ``dt_bias`` by value head and ``ffn.experts`` its stacked weights by
+    expert. ``k_proj`` and ``v_proj`` are stored split by rows
     even where their heads are replicated for the computation (fewer
     key/value heads than ranks). The per-head norms are replicated.
     """
@@ -39,7 +39,7 @@ def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
         r"^decoder_frontend\.embed$":                                   ShardSpec(dim=0),
         _LAYER + r"self_attn\.(q_proj|k_proj|v_proj)$":                 column,
         _LAYER + r"self_attn\.output_proj$":                            row,
-        _LAYER + r"linear_attn$":                                       ShardSpec(dim=0),
+        _LAYER + r"linear_attn\.decay$":                                ShardSpec(dim=0),
         _LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)$": column,
         _LAYER + r"linear_attn\.conv1d$":                               ShardSpec(dim=0),
         _LAYER + r"linear_attn\.output_proj$":                          row,

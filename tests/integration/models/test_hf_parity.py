@@ -229,7 +229,7 @@ class TestBadCheckpoints:
 
         self._rewrite(checkpoint, edit)
 
-        with pytest.raises(CorruptModelCheckpointError, match=r"`decoder\.layers\.0\.linear_attn\.A_log` has a shape of \(3,\) in the checkpoint, but has a shape of \(4,\)"):
+        with pytest.raises(CorruptModelCheckpointError, match=r"`decoder\.layers\.0\.linear_attn\.decay\.A_log` has a shape of \(3,\) in the checkpoint, but has a shape of \(4,\)"):
             load_hf_model(checkpoint)
 
     @pytest.mark.slow

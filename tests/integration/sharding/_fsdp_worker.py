@@ -17,6 +17,11 @@ checkpoint. Then:
 
 Writes ``{case: {"layer_fractions": [...], "max_grad_diff": ...}}`` to
 ``--output-dir/result.json`` (rank 0).
+
+A last case wraps a model with fairseq2's own ``to_fsdp2`` under static bf16
+mixed precision, as the recipes do, and records the dtypes that the Gated
+DeltaNet decay parameters, their gradients and the projections have in the
+forward and backward passes (``"mixed_precision"``).
 """
 
 from __future__ import annotations
@@ -35,9 +40,12 @@ from torch.nn import Module
 from fairseq2.gang import Gangs, ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
+from fairseq2.nn.fsdp import FSDPWrapper, to_fsdp2
 
 from qwen35_fs2.models import collect_moe_statistics
 from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.fsdp import apply_fsdp_to_qwen35
+from qwen35_fs2.models.gated_deltanet import GatedDeltaNet, GatedDeltaNetDecay
 from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
 from qwen35_fs2.models.sharded_loading import create_sharded_qwen35_model, load_hf_checkpoint_shards
 
@@ -184,6 +192,73 @@ def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs,
     return {"layer_fractions": _layer_fractions(model), "max_grad_diff": max_grad_diff}
 
 
+def _check_mixed_precision(gangs: Gangs) -> dict[str, object]:
+    """Static bf16 through fairseq2's FSDP2 wrapper, with the family applier
+    at ``layer`` granularity."""
+    config = tiny_qwen35_config()
+
+    model = create_reference_model(config).train()
+
+    reference = create_reference_model(config).train()
+
+    def apply(module: Module, wrapper: FSDPWrapper) -> Module:
+        return apply_fsdp_to_qwen35(module, "layer", wrapper)  # type: ignore[arg-type]
+
+    model = to_fsdp2(model, gangs, apply, mixed_precision_dtype=torch.bfloat16)
+
+    seen: dict[str, set[str]] = {"decay_params": set(), "decay_grads": set(), "decay_outputs": set(), "proj_weights": set()}
+
+    def record_decay(module: Module, args: tuple[object, ...]) -> None:
+        for param in (module.A_log, module.dt_bias):
+            seen["decay_params"].add(str(param.dtype))
+
+            param.register_hook(lambda grad: seen["decay_grads"].add(str(grad.dtype)))
+
+    def record_decay_output(module: Module, args: tuple[object, ...], output: Tensor) -> None:
+        seen["decay_outputs"].add(str(output.dtype))
+
+    def record_proj(module: Module, args: tuple[object, ...]) -> None:
+        seen["proj_weights"].add(str(module.weight.dtype))
+
+    for module in model.modules():
+        if isinstance(module, GatedDeltaNetDecay):
+            module.register_forward_pre_hook(record_decay)
+            module.register_forward_hook(record_decay_output)
+
+        if isinstance(module, GatedDeltaNet):
+            for proj in (module.in_proj_qkv, module.in_proj_a, module.output_proj):
+                proj.register_forward_pre_hook(record_proj)
+
+    seqs, seq_lens = _shares(config.vocab_size)[gangs.root.rank]
+
+    torch.autograd.backward(_loss(model, seqs, seq_lens) * gangs.dp.size)
+
+    for seqs, seq_lens in _shares(config.vocab_size):
+        torch.autograd.backward(_loss(reference, seqs, seq_lens))
+
+    # The sharded gradients of the decay parameters, gathered, against the
+    # fp32 reference (the rest of the model ran in bf16).
+    expected_params = dict(reference.named_parameters())
+
+    decay_grad_errors = {}
+
+    for name, param in model.named_parameters():
+        if ".decay." in name:
+            assert param.grad is not None, name
+
+            grad = param.grad.full_tensor()
+
+            expected = expected_params[name].grad
+
+            assert expected is not None
+
+            decay_grad_errors[name] = ((grad - expected).norm() / expected.norm()).item()
+
+            seen.setdefault("sharded_decay", set()).add(f"{param.dtype}/{grad.dtype}")
+
+    return {**{k: sorted(v) for k, v in seen.items()}, "decay_grad_errors": decay_grad_errors}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
 
@@ -198,6 +273,8 @@ def main() -> None:
     gangs = create_fsdp_gangs(create_parallel_gangs(root_gang))
 
     results = {name: _check_case(name, config, granularity, gangs, args.output_dir) for name, (config, granularity) in _cases().items()}
+
+    results["mixed_precision"] = _check_mixed_precision(gangs)
 
     if root_gang.rank == 0:
         (args.output_dir / "result.json").write_text(json.dumps(results))

@@ -42,7 +42,12 @@ from qwen35_fs2.models.moe_config import Qwen35MoeConfig, tiny_qwen35_moe_config
 
 CPU = torch.device("cpu")
 
-TOLERANCE = 1e-5
+# Two fp32 computations that may round differently (a rank's GEMM over half
+# the rows blocks differently). Each of the single-process fp32 gradients of
+# these models is within 8.5e-6 of an fp64 run (largest: a Gated DeltaNet
+# convolution kernel), so two fp32 runs may differ by up to twice that; a
+# wrong shard or a missing reduction is off by 1e-2 or more.
+TOLERANCE = 2e-5
 
 
 def _cases() -> dict[str, Qwen35Config]:

@@ -29,7 +29,23 @@ def test_fsdp2_shards_every_layer_and_matches_the_unsharded_model(tmp_path: Path
 
     result = json.loads((tmp_path / "result.json").read_text())
 
+    mixed_precision = result.pop("mixed_precision")
+
     assert set(result) == {"dense_layer", "moe_layer", "dense_stack", "dense_model"}
+
+    # Static bf16 through fairseq2's wrapper: `A_log` and `dt_bias` are
+    # gathered, differentiated and reduced in fp32 (the log decay too), the
+    # projections run in bf16.
+    assert mixed_precision["decay_params"] == ["torch.float32"]
+    assert mixed_precision["decay_grads"] == ["torch.float32"]
+    assert mixed_precision["decay_outputs"] == ["torch.float32"]
+    assert mixed_precision["sharded_decay"] == ["torch.float32/torch.float32"]
+    assert mixed_precision["proj_weights"] == ["torch.bfloat16"]
+
+    # Their gradients follow the fp32 reference up to the bf16 rounding of
+    # the rest of the model.
+    assert len(mixed_precision["decay_grad_errors"]) == 6
+    assert all(error < 0.05 for error in mixed_precision["decay_grad_errors"].values()), mixed_precision
 
     for case in result.values():
         # 8 experts split 4/4; a few odd-sized rows make it not exactly half.

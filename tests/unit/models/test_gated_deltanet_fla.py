@@ -35,9 +35,14 @@ _LENGTHS = [1, 3, 63, 64, 65, 200] if ON_CUDA else [1, 3, 63, 65, 7]
 # paths run; tiny ones under the interpreter.
 _MODEL_DIM, _HEAD_DIM = (256, 128) if ON_CUDA else (64, 16)
 
-# Under the interpreter both backends compute in fp32; the largest difference
-# is in `dA_log`, a sum over every token (relative error 5e-4).
-_DTYPES = [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)] if ON_CUDA else [(torch.float32, 1e-3)]
+# Under the interpreter both backends compute in fp32 and agree to 1e-6,
+# except the gradients of the decay parameters: fla sums the log decays of a
+# chunk in fp32, we in fp64, and under strong decay (A up to 16) their
+# differences lose digits; measured against an fp64 run, ours are within 1e-4
+# and fla's within 1.3e-3.
+_DTYPES = [(torch.float32, 5e-3), (torch.bfloat16, 2e-2)] if ON_CUDA else [(torch.float32, 1e-4)]
+
+_DECAY_GRAD_TOL = 5e-3
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +94,9 @@ def _assert_close(expected: dict[str, torch.Tensor], actual: dict[str, torch.Ten
         # The RMS error relative to the RMS of the reference, as fla's tests.
         error = ((actual[name] - value).pow(2).mean().sqrt() / value.pow(2).mean().sqrt().clamp(min=1e-12)).item()
 
-        assert error <= tol, f"{name}: relative RMS error {error:.3g} > {tol}"
+        name_tol = max(tol, _DECAY_GRAD_TOL) if name.startswith("ddecay.") else tol
+
+        assert error <= name_tol, f"{name}: relative RMS error {error:.3g} > {name_tol}"
 
 
 def _packed_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, BatchLayout]:

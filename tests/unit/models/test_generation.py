@@ -82,10 +82,13 @@ class TestIncrementalDecoding:
         max_gen_len = 64
 
         # Make the second prompt stop early, so the generator drops it from
-        # the batch (a state reorder) while the others go on.
+        # the batch (a state reorder) while the others go on: its EOS is a
+        # token it emits first at some step, and that the others never emit.
         tokens = _full_forward_greedy(model, prompts[1], None, 16)
 
-        stop_step = next(i for i in range(2, 16) if tokens[i] not in tokens[:i])
+        others = {t for idx in (0, 2) for t in _full_forward_greedy(model, prompts[idx], None, max_gen_len + 1)}
+
+        stop_step = next(i for i in range(2, 16) if tokens[i] not in tokens[:i] and tokens[i] not in others)
 
         eos_idx = tokens[stop_step]
 

@@ -13,7 +13,7 @@ from qwen35_fs2.models.config import tiny_qwen35_config
 _TEXT_KEYS = {
     "model.embed_tokens.weight": "decoder_frontend.embed.weight",
     "model.layers.0.input_layernorm.weight": "decoder.layers.0.self_attn_layer_norm.weight",
-    "model.layers.0.linear_attn.A_log": "decoder.layers.0.linear_attn.A_log",
+    "model.layers.0.linear_attn.A_log": "decoder.layers.0.linear_attn.decay.A_log",
     "model.layers.0.linear_attn.out_proj.weight": "decoder.layers.0.linear_attn.output_proj.weight",
     "model.layers.3.self_attn.o_proj.weight": "decoder.layers.3.self_attn.output_proj.weight",
     "model.layers.3.mlp.up_proj.weight": "decoder.layers.3.ffn.inner_proj.weight",

@@ -64,7 +64,7 @@ class TestQwen35Model:
         keys = model.state_dict().keys()
 
         assert "decoder.layers.0.self_attn.q_proj.weight" in keys
-        assert "decoder.layers.1.linear_attn.A_log" in keys
+        assert "decoder.layers.1.linear_attn.decay.A_log" in keys
         assert not any(k.startswith("decoder.layers.0.linear_attn") for k in keys)
 
     def test_packed_batch_equals_documents_run_separately(self) -> None:

@@ -36,6 +36,7 @@ def _hf_state_dict(config: Qwen35MoeConfig, *, per_expert: bool, prefix: str = "
         "ffn_layer_norm.": "post_attention_layernorm.",
         "self_attn.output_proj.": "self_attn.o_proj.",
         "linear_attn.output_proj.": "linear_attn.out_proj.",
+        "linear_attn.decay.": "linear_attn.",
         "ffn.router.": "mlp.gate.",
         "ffn.shared_expert.inner_proj.": "mlp.shared_expert.up_proj.",
         "ffn.shared_expert.output_proj.": "mlp.shared_expert.down_proj.",

@@ -104,8 +104,8 @@ class TestGatedDeltaNetUnderTensorParallelism:
         assert gdn.in_proj_z.weight.shape == (32, 64)
         assert gdn.in_proj_b.weight.shape == (4, 64)
         assert gdn.in_proj_a.weight.shape == (4, 64)
-        assert gdn.A_log.shape == (4,)
-        assert gdn.dt_bias.shape == (4,)
+        assert gdn.decay.A_log.shape == (4,)
+        assert gdn.decay.dt_bias.shape == (4,)
         assert gdn.output_proj.weight.shape == (64, 32)
 
         # Shared by all heads.
