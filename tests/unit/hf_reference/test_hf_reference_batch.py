@@ -26,7 +26,17 @@ class TestHfReferenceBatch:
             HfReferenceBatch().logits("unused", [[1, 2]], attention_mask=[[1, 1, 0]])
 
     def test_greedy_generate_accepts_prompts_of_different_lengths(self) -> None:
-        HfReferenceBatch().greedy_generate("unused", [[1, 2], [3]], max_new_tokens=2)
+        batch = HfReferenceBatch()
+
+        pending = batch.greedy_generate("unused", [[1, 2], [3]], max_new_tokens=2)
+
+        # The worker gets each prompt as given, neither padded nor cut, and
+        # decodes them one at a time (tested on a real model in
+        # test_hf_reference_models.py).
+        assert [request["prompts"] for request in batch._requests] == [[[1, 2], [3]]]
+
+        with pytest.raises(RuntimeError, match="has not run yet"):
+            pending.result()
 
     def test_greedy_generate_raises_error_when_a_prompt_is_empty(self) -> None:
         with pytest.raises(ValueError, match="non-empty rows"):

@@ -105,7 +105,7 @@ class TestIncrementalDecoding:
 
         output = generator(seqs, layout)
 
-        for idx, (prompt, hypotheses) in enumerate(zip(prompts, output.hypotheses)):
+        for idx, (prompt, hypotheses) in enumerate(zip(prompts, output.hypotheses, strict=True)):
             seq = hypotheses[0].seq.tolist()
 
             # The generator ends every hypothesis with EOS, the ones that
@@ -142,7 +142,7 @@ class TestIncrementalDecoding:
         output = generator(seqs, layout)
 
         with torch.no_grad():
-            for prompt, hypotheses in zip(prompts, output.hypotheses):
+            for prompt, hypotheses in zip(prompts, output.hypotheses, strict=True):
                 assert len(hypotheses) == 3
 
                 for hypothesis in hypotheses:
