@@ -28,5 +28,6 @@ from .spec import CheckpointLayout as CheckpointLayout
 from .spec import ExpertLayout as ExpertLayout
 from .spec import LayerTypeName as LayerTypeName
 from .spec import ReferenceDtype as ReferenceDtype
+from .spec import ReferencePrecision as ReferencePrecision
 from .spec import TinyQwen35Spec as TinyQwen35Spec
 from .tensors import read_safetensors_dir as read_safetensors_dir

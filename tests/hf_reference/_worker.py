@@ -300,10 +300,10 @@ class _ModelCache:
     """Keeps loaded models so that several requests on one directory load it once."""
 
     def __init__(self) -> None:
-        self._models: dict[tuple[str, str], Any] = {}
+        self._models: dict[tuple[str, str, str], Any] = {}
 
-    def get(self, model_dir: str, model_class: str) -> Any:
-        key = (model_dir, model_class)
+    def get(self, model_dir: str, model_class: str, dtype: str = "float32") -> Any:
+        key = (model_dir, model_class, dtype)
 
         model = self._models.get(key)
         if model is None:
@@ -316,7 +316,7 @@ class _ModelCache:
             else:
                 auto_class = transformers.AutoModelForCausalLM
 
-            model = auto_class.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = auto_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
 
             self._models[key] = model
 
@@ -329,7 +329,13 @@ class _ModelCache:
 
 @torch.no_grad()
 def _logits(request: dict[str, Any], models: _ModelCache, work_dir: Path, index: int) -> dict[str, Any]:
-    model = models.get(request["model_dir"], request["model_class"])
+    precision = request["precision"]
+
+    autocast = precision == "autocast_bfloat16"
+
+    dtype = "float32" if autocast else precision
+
+    model = models.get(request["model_dir"], request["model_class"], dtype)
 
     input_ids = torch.tensor(request["input_ids"], dtype=torch.int64)
 
@@ -337,7 +343,8 @@ def _logits(request: dict[str, Any], models: _ModelCache, work_dir: Path, index:
     if attention_mask is not None:
         attention_mask = torch.tensor(attention_mask, dtype=torch.int64)
 
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     name = f"logits_{index}.safetensors"
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from .overlay import ensure_hf_reference
-from .spec import TinyQwen35Spec
+from .spec import ReferencePrecision, TinyQwen35Spec
 
 ModelClass = Literal["auto", "conditional_generation"]
 """
@@ -104,10 +104,12 @@ class HfReferenceBatch:
         *,
         attention_mask: TokenIds | None = None,
         model_class: ModelClass = "auto",
+        precision: ReferencePrecision = "float32",
     ) -> Pending[torch.Tensor]:
-        """Adds a forward pass in fp32 eval mode; its result is the logits, ``[N, S, V]`` fp32.
+        """Adds a forward pass in eval mode; its result is the logits, ``[N, S, V]``, cast to fp32.
 
         :param attention_mask: ``[N, S]``, 1 for tokens and 0 for right padding.
+        :param precision: The dtype the model is loaded in, or bf16 autocast over fp32 weights.
         """
         pending: Pending[torch.Tensor] = Pending()
 
@@ -130,6 +132,7 @@ class HfReferenceBatch:
             "model_class": model_class,
             "input_ids": rows,
             "attention_mask": mask_rows,
+            "precision": precision,
         }
 
         self._add(request, consume)

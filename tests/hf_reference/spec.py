@@ -11,6 +11,15 @@ ExpertLayout = Literal["fused", "per_expert"]
 
 ReferenceDtype = Literal["float32", "bfloat16"]
 
+ReferencePrecision = Literal["float32", "bfloat16", "autocast_bfloat16"]
+"""
+How the reference runs a forward pass: ``"float32"`` or ``"bfloat16"`` loads the
+model in that dtype (``from_pretrained(dtype=...)``, weights and activations);
+``"autocast_bfloat16"`` loads it in fp32 and runs under
+``torch.autocast("cpu", torch.bfloat16)``, as single-device mixed-precision
+training does.
+"""
+
 LayerTypeName = Literal["linear_attention", "full_attention"]
 
 
