@@ -36,14 +36,19 @@ Semantics of the reader:
   too small), not an endless series of empty epochs. Packing does not cross
   epochs: the last partial batch of an epoch is dropped or, with
   ``drop_remainder=False``, padded. :meth:`PretrainingReader.reset` starts the
-  next epoch, with a new order; fairseq2's trainer calls it at the end of each
-  epoch.
-- **Resumption.** The state is the epoch and the position (row group, row,
-  token) where the next batch starts; a batch always starts empty, so no
-  tokens are saved. After ``load_state_dict`` the reader re-reads that row
-  group and produces bitwise the batches an uninterrupted reader would have.
-  The state records the dataset, seed, rank and packing parameters; loading
-  it into a reader that differs in any of them is an error.
+  next epoch: the same row groups again, in a new order (the same order with
+  ``shuffle=False``), and logs it. fairseq2's trainer calls it at the end of
+  each epoch, its validator after each validation (a reset before the first
+  batch of an epoch does nothing). With ``max_num_batches``
+  an epoch ends after that many batches; with ``shuffle=False`` every epoch
+  then reads the same first batches (bounded validation).
+- **Resumption.** The state is the epoch, the number of batches the epoch
+  has returned, and the position (row group, row, token) where the next batch
+  starts; a batch always starts empty, so no tokens are saved. After
+  ``load_state_dict`` the reader re-reads that row group and produces bitwise
+  the batches an uninterrupted reader would have. The state records the
+  dataset, seed, rank and packing parameters; loading it into a reader that
+  differs in any of them is an error.
 - **Throughput.** Reading, tokenization and packing run in a background
   thread, ``prefetch`` batches ahead; batches are in pinned memory when
   ``gangs.dp`` is on CUDA.
@@ -140,6 +145,7 @@ class PretrainingDataset:
         seed: int = 2,
         shuffle: bool = True,
         drop_remainder: bool = True,
+        max_num_batches: int | None = None,
         prefetch: int = 4,
     ) -> PretrainingReader:
         """
@@ -154,6 +160,8 @@ class PretrainingDataset:
             order (for validation).
         :param drop_remainder: If ``False``, the last partial batch of an epoch
             is padded instead of dropped.
+        :param max_num_batches: If not ``None``, each epoch ends after this
+            many batches on every rank (for bounded validation).
         :param prefetch: The number of batches prepared ahead in a background
             thread; 0 prepares them in the calling thread.
         """
@@ -184,6 +192,7 @@ class PretrainingDataset:
             seed=seed,
             shuffle=shuffle,
             drop_remainder=drop_remainder,
+            max_num_batches=max_num_batches,
             prefetch=prefetch,
             pad_value=pad_value,
             pin_memory=gangs.dp.device.type == "cuda",
@@ -285,6 +294,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         seed: int = 2,
         shuffle: bool = True,
         drop_remainder: bool = True,
+        max_num_batches: int | None = None,
         prefetch: int = 4,
         pad_value: int = 0,
         pin_memory: bool = False,
@@ -315,6 +325,9 @@ class PretrainingReader(DataReader[SequenceBatch]):
         if num_accumulate < 1:
             raise ValueError(f"`num_accumulate` must be greater than or equal to 1, but is {num_accumulate} instead.")  # fmt: skip
 
+        if max_num_batches is not None and max_num_batches < 1:
+            raise ValueError(f"`max_num_batches` must be greater than or equal to 1, but is {max_num_batches} instead.")  # fmt: skip
+
         if prefetch < 0:
             raise ValueError(f"`prefetch` must be greater than or equal to 0, but is {prefetch} instead.")  # fmt: skip
 
@@ -328,6 +341,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._seed = seed
         self._shuffle = shuffle
         self._drop_remainder = drop_remainder
+        self._max_num_batches = max_num_batches
         self._prefetch = prefetch
         self._pad_value = pad_value
         self._pin_memory = pin_memory
@@ -349,10 +363,12 @@ class PretrainingReader(DataReader[SequenceBatch]):
             "max_seq_len": max_seq_len,
             "max_num_tokens": max_num_tokens,
             "drop_remainder": drop_remainder,
+            "max_num_batches": max_num_batches,
         }
 
         self._epoch = 0
         self._cursor = _Cursor(0, 0, 0)
+        self._num_batches = 0
         self._eod = False
         self._source: _BatchSource | None = None
         self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
@@ -366,6 +382,18 @@ class PretrainingReader(DataReader[SequenceBatch]):
         if self._eod:
             raise StopIteration()
 
+        num_wanted = self._num_accumulate
+
+        if self._max_num_batches is not None:
+            # Every rank reaches the cap at the same call: the ranks agree on
+            # the number of batches of every call.
+            num_wanted = min(num_wanted, self._max_num_batches - self._num_batches)
+
+            if num_wanted == 0:
+                self._eod = True
+
+                raise StopIteration()
+
         if self._source is None:
             self._source = self._open_source()
 
@@ -374,7 +402,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
 
         error: Exception | None = None
 
-        for _ in range(self._num_accumulate):
+        for _ in range(num_wanted):
             try:
                 batch, cursor = next(self._source)
             except StopIteration:
@@ -401,6 +429,8 @@ class PretrainingReader(DataReader[SequenceBatch]):
             raise StopIteration()
 
         self._cursor = cursors[num_batches - 1]
+
+        self._num_batches += num_batches
 
         return batches[:num_batches]
 
@@ -510,11 +540,22 @@ class PretrainingReader(DataReader[SequenceBatch]):
 
     @override
     def reset(self) -> None:
-        """Starts the next epoch."""
+        """Starts the next epoch, unless the current one has not started:
+        fairseq2's validator resets a reader when it runs out and again after
+        the validation, which must start one epoch, not two."""
+        if not self._eod and self._num_batches == 0 and self._cursor == _Cursor(0, 0, 0):
+            return
+
         self._close_source()
+
+        order = "in a new order" if self._shuffle else "in the same order"
+
+        # Epochs counted from 1 in the log, as fairseq2's trainer counts them.
+        log.info("Data epoch {} ended after {} batch(es) on this rank; epoch {} reads the same {} row group(s) again, {}.", self._epoch + 1, self._num_batches, self._epoch + 2, len(self._row_groups), order)  # fmt: skip
 
         self._epoch += 1
         self._cursor = _Cursor(0, 0, 0)
+        self._num_batches = 0
         self._eod = False
 
     @override
@@ -525,6 +566,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
             "unit": self._cursor.unit,
             "row": self._cursor.row,
             "token": self._cursor.token,
+            "num_batches": self._num_batches,
             "fingerprint": dict(self._fingerprint),
         }
 
@@ -546,7 +588,11 @@ class PretrainingReader(DataReader[SequenceBatch]):
 
         position: list[int] = []
 
-        for key in ("epoch", "unit", "row", "token"):
+        # States saved before `max_num_batches` existed have no `num_batches`;
+        # their readers had no cap, which is the only use of it.
+        state_dict = {"num_batches": 0, **state_dict}
+
+        for key in ("epoch", "unit", "row", "token", "num_batches"):
             value = state_dict.get(key)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"`{key}` of the reader state must be a non-negative integer, but is {value!r} instead.")  # fmt: skip
@@ -556,7 +602,8 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._close_source()
 
         self._epoch = position[0]
-        self._cursor = _Cursor(*position[1:])
+        self._cursor = _Cursor(*position[1:4])
+        self._num_batches = position[4]
         self._eod = False
 
     @property

@@ -54,3 +54,24 @@ class TestPretrainCPU:
 
         for step in range(4, 7):
             assert resumed[step]["NLL Loss"] == pytest.approx(full[step]["NLL Loss"], abs=1e-6), step
+
+    def test_validation_reads_the_same_first_batches_at_every_validation(self, tmp_path: Path) -> None:
+        output_dir = tmp_path / "out"
+
+        overrides = [
+            *OVERRIDES,
+            "dataset.valid={paths: ['synthetic://fineweb_edu']}",
+            "dataset.max_num_valid_batches=2",
+            "regime.num_steps=2",
+            "regime.validate_every_n_steps=1",
+        ]
+
+        process = run_recipe("train", output_dir, CONFIG, overrides)
+
+        valid = read_metrics(output_dir, "valid")
+
+        # Two batches of 129 tokens, of a corpus of thousands.
+        assert {step: record["Number of Elements"] for step, record in valid.items()} == {1: 256, 2: 256}
+
+        assert process.stdout.count("Data epoch 1 ended after 2 batch(es) on this rank; epoch 2 reads the same") == 1
+        assert process.stdout.count("Data epoch 2 ended after 2 batch(es) on this rank; epoch 3 reads the same") == 1

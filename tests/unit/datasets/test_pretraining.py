@@ -236,6 +236,76 @@ class TestPretrainingReader:
 
             assert resumed_steps == steps[step:], f"Resuming after step {step} differs."
 
+    def test_max_num_batches_ends_every_epoch_after_the_same_first_batches(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer
+    ) -> None:
+        def create(max_num_batches: int | None) -> PretrainingReader:
+            return PretrainingDataset([fineweb_dir]).create_reader(
+                byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, num_accumulate=2, shuffle=False, drop_remainder=False, max_num_batches=max_num_batches  # fmt: skip
+            )
+
+        # All batches in file order (as the first test of this class checks).
+        everything = flatten(_read_all(create(None)))
+
+        assert len(everything) > 5
+
+        capped = create(5)
+
+        for epoch in range(3):
+            calls = _read_all(capped)
+
+            # Two calls of two batches, then one of the last batch.
+            assert [len(batches) for batches in calls] == [2, 2, 1], epoch
+
+            assert [batch_key(b) for b in flatten(calls)] == [batch_key(b) for b in everything[:5]], epoch  # fmt: skip
+
+            capped.reset()
+
+    def test_capped_reader_resumes_with_the_batches_left_in_its_epoch(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer
+    ) -> None:
+        def create() -> PretrainingReader:
+            return PretrainingDataset([fineweb_dir]).create_reader(
+                byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, shuffle=False, max_num_batches=3  # fmt: skip
+            )
+
+        reader = create()
+
+        first = [batch_key(b) for b in flatten([next(reader), next(reader)])]
+
+        resumed = create()
+
+        resumed.load_state_dict(reader.state_dict())
+
+        rest = [batch_key(b) for b in flatten(_read_all(resumed))]
+
+        assert len(rest) == 1
+
+        assert first + rest == [batch_key(b) for b in flatten(_read_all(create()))]
+
+    def test_reset_logs_the_end_of_the_epoch_and_starts_only_one(
+        self, fineweb_dir: Path, byte_tokenizer: ByteTokenizer, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        reader = PretrainingDataset([fineweb_dir]).create_reader(
+            byte_tokenizer, fake_gangs(0, 1), max_seq_len=300, max_num_tokens=511, max_num_batches=4  # fmt: skip
+        )
+
+        _read_all(reader)
+
+        with caplog.at_level(logging.INFO, logger="fairseq2"):
+            reader.reset()
+
+            # As fairseq2's validator does after a validation: the epoch has
+            # not started, and goes on.
+            reader.reset()
+
+        assert reader.epoch == 1
+
+        # `fineweb_dir` holds 15 row groups.
+        assert [r.getMessage() for r in caplog.records if "Data epoch" in r.getMessage()] == [
+            "Data epoch 1 ended after 4 batch(es) on this rank; epoch 2 reads the same 15 row group(s) again, in a new order."
+        ]  # fmt: skip
+
     def test_load_state_dict_raises_error_when_reader_settings_differ(
         self, shards: tuple[Path, list[list[list[str]]]]
     ) -> None:
@@ -487,6 +557,7 @@ class TestPretrainingReader:
             ({"max_seq_len": 1}, "`max_seq_len` must be greater than or equal to 2, but is 1 instead"),  # fmt: skip
             ({"num_accumulate": 0}, "`num_accumulate` must be greater than or equal to 1, but is 0 instead"),  # fmt: skip
             ({"prefetch": -1}, "`prefetch` must be greater than or equal to 0, but is -1 instead"),  # fmt: skip
+            ({"max_num_batches": 0}, "`max_num_batches` must be greater than or equal to 1, but is 0 instead"),  # fmt: skip
         ],
     )
     def test_create_reader_raises_error_when_settings_are_invalid(

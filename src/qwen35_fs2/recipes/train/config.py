@@ -65,6 +65,14 @@ class PretrainDatasetSection:
     """The validation documents (e.g. a held-out shard); if ``None``, the
     recipe does not validate."""
 
+    max_num_valid_batches: int | None = 64
+    """
+    The number of batches of ``valid`` each rank evaluates per validation: the
+    first ones in file order, the same at every validation. If ``None``, all
+    of ``valid``: a whole FineWeb-Edu shard (about 0.7B tokens) is about 1,300
+    batches per rank on 32 GPUs of 16,384 tokens, at every validation.
+    """
+
     text_column: str = "text"
     """The string column holding the documents."""
 
@@ -88,6 +96,11 @@ class PretrainDatasetSection:
         if self.max_num_tokens < 1:
             result.add_error(
                 f"`max_num_tokens` must be greater than or equal to 1, but is {self.max_num_tokens} instead."
+            )
+
+        if self.max_num_valid_batches is not None and self.max_num_valid_batches < 1:
+            result.add_error(
+                f"`max_num_valid_batches` must be greater than or equal to 1, but is {self.max_num_valid_batches} instead."
             )
 
         if self.prefetch < 0:

@@ -37,13 +37,19 @@ class PretrainRecipe(LMTrainingRecipe):
             num_accumulate=config.trainer.grad_accumulation.num_batches,
             shuffle=True,
             drop_remainder=True,
+            max_num_batches=None,
         )
 
         if section.valid is None:
             valid_reader = None
         else:
             valid_reader = self._create_reader(
-                context, section.valid, num_accumulate=1, shuffle=False, drop_remainder=False
+                context,
+                section.valid,
+                num_accumulate=1,
+                shuffle=False,
+                drop_remainder=False,
+                max_num_batches=section.max_num_valid_batches,
             )
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
@@ -58,6 +64,7 @@ class PretrainRecipe(LMTrainingRecipe):
         num_accumulate: int,
         shuffle: bool,
         drop_remainder: bool,
+        max_num_batches: int | None,
     ) -> PretrainingReader:
         config = context.get_config_as(PretrainConfig)
 
@@ -78,6 +85,7 @@ class PretrainRecipe(LMTrainingRecipe):
             seed=config.common.seed,
             shuffle=shuffle,
             drop_remainder=drop_remainder,
+            max_num_batches=max_num_batches,
             prefetch=section.prefetch,
         )
 
