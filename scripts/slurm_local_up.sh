@@ -14,6 +14,12 @@
 #                       that the scripts' GPU-shaped requests can be submitted
 #   QWEN35_SLURM_PORT   slurmctld port (16817); slurmd ports follow it. Not the
 #                       default 6817, so a real local SLURM is left alone.
+#   QWEN35_SLURM_BIND   1 (default) also starts node `bind1`, alone in partition
+#                       `bind`: this machine's real CPU layout (`slurmd -C`)
+#                       with CpuBind=cores, so that SLURM binds each task to
+#                       the cores it asked for, as production nodes do. The
+#                       nodes above declare more CPUs than exist, and SLURM
+#                       binds no task on them. 0 leaves it out.
 #
 # Prints `export SLURM_CONF=...` as its last line: clients need it.
 set -euo pipefail
@@ -23,6 +29,8 @@ NODES=${QWEN35_SLURM_NODES:-2}
 CPUS=${QWEN35_SLURM_CPUS:-2}
 GPUS=${QWEN35_SLURM_GPUS:-2}
 PORT=${QWEN35_SLURM_PORT:-16817}
+BIND=${QWEN35_SLURM_BIND:-1}
+BIND_NODE=bind1
 CONF=$D/slurm.conf
 H=$(hostname -s)
 
@@ -32,6 +40,7 @@ die() { echo "slurm_local_up: $*" >&2; exit 1; }
 [[ $NODES =~ ^[1-9][0-9]?$ ]] || die "QWEN35_SLURM_NODES must be 1..99, got '$NODES'"
 [[ $CPUS =~ ^[1-9][0-9]*$ ]] || die "QWEN35_SLURM_CPUS must be a positive integer, got '$CPUS'"
 [[ $GPUS =~ ^[0-9]+$ ]] || die "QWEN35_SLURM_GPUS must be a non-negative integer, got '$GPUS'"
+[[ $BIND =~ ^[01]$ ]] || die "QWEN35_SLURM_BIND must be 0 or 1, got '$BIND'"
 
 if [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin/munged ] \
     || ! command -v sbatch >/dev/null; then
@@ -71,6 +80,8 @@ fi
 
 # --- slurm.conf and gres.conf
 node_name() { if [ "$1" = 1 ]; then echo "$H"; else echo "n$1"; fi; }
+emulated=()
+for i in $(seq "$NODES"); do emulated+=("$(node_name "$i")"); done
 
 {
     cat <<EOF
@@ -82,7 +93,7 @@ AuthType=auth/munge
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/cons_tres
@@ -112,12 +123,22 @@ EOF
         echo "NodeName=$(node_name "$i") NodeHostname=$H NodeAddr=127.0.0.1" \
             "Port=$((PORT + i)) CPUs=$CPUS RealMemory=4000 $gres Weight=$i State=UNKNOWN"
     done
-    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+    echo "PartitionName=debug Nodes=$(IFS=,; echo "${emulated[*]}") Default=YES MaxTime=INFINITE State=UP"
+    if [ "$BIND" = 1 ]; then
+        # CPUs, Boards, SocketsPerBoard, CoresPerSocket and ThreadsPerCore as
+        # slurmd detects them: a node that declares what it has gets bound.
+        layout=$(/usr/sbin/slurmd -C | head -n 1 | tr ' ' '\n' \
+            | grep -E '^(CPUs|Boards|SocketsPerBoard|CoresPerSocket|ThreadsPerCore)=' | xargs)
+        [ -n "$layout" ] || die "slurmd -C did not report this machine's CPU layout"
+        echo "NodeName=$BIND_NODE NodeHostname=$H NodeAddr=127.0.0.1 Port=$((PORT + NODES + 1))" \
+            "$layout RealMemory=4000 CpuBind=cores Weight=$((NODES + 1)) State=UNKNOWN"
+        echo "PartitionName=bind Nodes=$BIND_NODE MaxTime=INFINITE State=UP"
+    fi
 } >"$CONF"
 
 # Fake GPUs: SLURM drops a GPU without a device file, so point it at empty
 # files. SLURM counts and allocates them and sets CUDA_VISIBLE_DEVICES, nothing
-# more (task/none binds no devices).
+# more (no cgroup plugin binds devices).
 {
     echo "AutoDetect=off"
     if [ "$GPUS" != 0 ]; then
@@ -134,8 +155,9 @@ export SLURM_CONF=$CONF
 # --- daemons (they fork into the background and write their pid files)
 /usr/sbin/slurmctld -i -f "$CONF"
 echo "$D/slurmctld.pid" >>"$D/started.pids"
-for i in $(seq "$NODES"); do
-    n=$(node_name "$i")
+all_nodes=("${emulated[@]}")
+[ "$BIND" = 0 ] || all_nodes+=("$BIND_NODE")
+for n in "${all_nodes[@]}"; do
     mkdir -p "$D/spool/$n"
     /usr/sbin/slurmd -f "$CONF" -N "$n"
     echo "$D/slurmd-$n.pid" >>"$D/started.pids"
@@ -144,7 +166,7 @@ done
 # Up: every node idle. A node that registers as invalid or drained will not
 # recover by waiting, so stop at once.
 states() { sinfo -h -N -o %T 2>/dev/null | sort | uniq -c | xargs; }
-up() { [ "$(states)" = "$NODES idle" ]; }
+up() { [ "$(states)" = "${#all_nodes[@]} idle" ]; }
 for _ in $(seq 300); do
     up && break
     case $(states) in *inval* | *drain*) break ;; esac

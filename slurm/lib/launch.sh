@@ -165,6 +165,15 @@ qwen35_launch() {
         qwen35_fail "the rendezvous host '$MASTER_ADDR' (the job's first node unless QWEN35_MASTER_ADDR is set) does not resolve from $(hostname): set QWEN35_MASTER_ADDR to its address"
     fi
 
+    # --- CPUs of every rank. srun does not inherit the job's --cpus-per-task
+    # on every SLURM version (22.05 does not): pass it on, or a node that binds
+    # tasks to cores gives each rank one core, with OMP_NUM_THREADS threads.
+    local -a cpu_args=()
+    if [ -n "${SLURM_CPUS_PER_TASK:-}" ]; then
+        [[ $SLURM_CPUS_PER_TASK =~ ^[1-9][0-9]*$ ]] || qwen35_fail "SLURM_CPUS_PER_TASK must be a positive integer, but is '$SLURM_CPUS_PER_TASK' instead"
+        cpu_args=(--cpus-per-task="$SLURM_CPUS_PER_TASK")
+    fi
+
     # --- environment of every rank (srun passes this shell's environment on)
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-${SLURM_CPUS_PER_TASK:-1}}
     export PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1
@@ -206,9 +215,10 @@ qwen35_launch() {
     # and WORLD_SIZE and uses them as they are. `--kill-on-bad-exit` ends every
     # rank when one fails, so a crash never leaves the others waiting.
     # shellcheck disable=SC2016  # expanded by each task's shell
-    srun --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn" --kill-on-bad-exit=1 \
+    srun --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn" "${cpu_args[@]}" --kill-on-bad-exit=1 \
         bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'
-            echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK)"
+            cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # (nproc reports OMP_NUM_THREADS if set)
+            echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK, $cpus CPU(s), OMP_NUM_THREADS=$OMP_NUM_THREADS)"
             exec "$@"' \
         qwen35-rank "$cli" "${recipe[@]}" "$out" "${config_args[@]}" --no-rich \
         --set common.no_sweep_dir=true "${overrides[@]}" &

@@ -38,6 +38,11 @@ NUM_NODES = 2
 CPUS_PER_NODE = 6
 GPUS_PER_NODE = 2
 
+# The node of scripts/slurm_local_up.sh with this machine's real CPU layout,
+# alone in its partition, where SLURM binds each task to its cores.
+BIND_PARTITION = "bind"
+BIND_NODE = "bind1"
+
 FINISHED_STATES = frozenset(
     {
         "BOOT_FAIL",

@@ -169,8 +169,8 @@ def test_pretraining_on_two_nodes(slurm_cluster: Cluster, runs: Runs) -> None:
 
     out = runs.reference.stdout()
     # One rank on each node.
-    assert "rank 0 of 2 on n2 (local rank 0)" in out
-    assert f"rank 1 of 2 on {slurm_cluster.head} (local rank 0)" in out
+    assert "rank 0 of 2 on n2 (local rank 0, " in out
+    assert f"rank 1 of 2 on {slurm_cluster.head} (local rank 0, " in out
     assert "2 node(s) x 1 task(s), device=cpu, rendezvous 127.0.0.1:" in out
     assert "no checkpoint yet: starting from step 0" in out
 
