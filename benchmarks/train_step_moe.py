@@ -41,7 +41,7 @@ from typing import Any, TypeAlias
 # The measurement code is shared with the dense benchmark.
 from train_step import _max_rss_mib, _time_steps, spawn_worker
 
-# The values of `qwen35_fs2.models.moe.ExpertDispatch`; this module imports
+# The values of `qwen35_fs2.nn.moe.experts.ExpertDispatch`; this module imports
 # neither fairseq2 nor our package at the top, as the reference worker runs
 # transformers 5.x.
 EXPERT_DISPATCHES = ("auto", "grouped_mm", "batched", "loop")
@@ -116,7 +116,8 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
 
     from fairseq2.nn import BatchLayout
 
-    from qwen35_fs2.models import Qwen35ExpertsConfig, Qwen35MoeConfig, collect_moe_statistics
+    from qwen35_fs2.models import Qwen35ExpertsConfig, Qwen35MoeConfig
+    from qwen35_fs2.nn import collect_moe_statistics
     from qwen35_fs2.models import create_qwen35_moe_model
 
     config = Qwen35MoeConfig(

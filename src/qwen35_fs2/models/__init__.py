@@ -17,9 +17,6 @@ from qwen35_fs2.models.hub import get_qwen35_model_hub as get_qwen35_model_hub
 from qwen35_fs2.models.interop import (
     convert_qwen35_state_dict as convert_qwen35_state_dict,
 )
-from qwen35_fs2.models.moe import MoeStatistics as MoeStatistics
-from qwen35_fs2.models.moe import Qwen35MoeBlock as Qwen35MoeBlock
-from qwen35_fs2.models.moe import collect_moe_statistics as collect_moe_statistics
 from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY as QWEN35_MOE_FAMILY
 from qwen35_fs2.models.moe_config import Qwen35ExpertsConfig as Qwen35ExpertsConfig
 from qwen35_fs2.models.moe_config import Qwen35MoeConfig as Qwen35MoeConfig

@@ -26,15 +26,15 @@ from fairseq2.nn import (
     VocabShardedEmbedding,
 )
 
-from qwen35_fs2.models.attention import Qwen35Attention
+from qwen35_fs2.nn.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, check_config
-from qwen35_fs2.models.decoder import Qwen35Decoder
-from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.decoder import Qwen35Decoder
+from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.loss import install_chunked_lm_loss
-from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
-from qwen35_fs2.models.rotary import PartialRotaryEncoder
-from qwen35_fs2.models.tp import TiedVocabShardedProjection
+from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
+from qwen35_fs2.nn.rotary import PartialRotaryEncoder
+from qwen35_fs2.nn.tp import TiedVocabShardedProjection
 
 
 def create_qwen35_model(config: Qwen35Config) -> TransformerLM:

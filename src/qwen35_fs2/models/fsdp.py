@@ -15,7 +15,7 @@ only around its forward and backward passes. For Qwen3.5 that means:
   pass.
 
 At every granularity, the ``A_log`` and ``dt_bias`` of each Gated DeltaNet
-layer (its :class:`~qwen35_fs2.models.gated_deltanet.GatedDeltaNetDecay`) are
+layer (its :class:`~qwen35_fs2.nn.gated_deltanet.GatedDeltaNetDecay`) are
 a small unit of their own, gathered and reduced in fp32 under mixed precision
 (``mamba_ssm_dtype: float32``), and kept gathered between forward and
 backward (two vectors of ``H_v`` entries per layer). fairseq2's recipes wrap
@@ -44,7 +44,7 @@ from fairseq2.models.utils.fsdp import apply_layerwise_fsdp
 from fairseq2.nn.fsdp import FSDPWrapper
 
 from qwen35_fs2.models.fsdp_unit_precision import keep_fsdp_unit_in_fp32
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNetDecay
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetDecay
 
 QWEN35_FSDP_GRANULARITIES: Final = ("layer", "stack", "model")
 

@@ -11,7 +11,7 @@ repository unchanged.
 
 The state dicts are converted by renaming keys only: our zero-centred norms
 store their weights as the checkpoints do (see
-:class:`~qwen35_fs2.models.normalization.ZeroCenteredRMSNorm`), so no tensor
+:class:`~qwen35_fs2.nn.normalization.ZeroCenteredRMSNorm`), so no tensor
 is shifted by 1 on import or export, and a round trip is bitwise.
 """
 

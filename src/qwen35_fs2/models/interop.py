@@ -204,7 +204,7 @@ def qkv_row_segments(config: Qwen35Config) -> list[tuple[int, int]]:
     Hugging Face stores ``[q | k | v]``, each over all heads; fairseq2 stores
     ``[q_g | k_g | v_g]`` for each key head ``g`` and its value heads, so that
     tensor parallelism can split the rows in contiguous blocks (see
-    :class:`~qwen35_fs2.models.gated_deltanet.GatedDeltaNet`).
+    :class:`~qwen35_fs2.nn.gated_deltanet.GatedDeltaNet`).
     """
     num_key_heads = config.num_linear_key_heads
 

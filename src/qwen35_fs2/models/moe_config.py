@@ -19,7 +19,8 @@ from qwen35_fs2.models.config import (
     get_text_config,
     read_hf_text_fields,
 )
-from qwen35_fs2.models.moe import ExpertDispatch, RouterPrecision
+from qwen35_fs2.nn.moe.experts import ExpertDispatch
+from qwen35_fs2.nn.moe.router import RouterPrecision
 
 QWEN35_MOE_FAMILY: Final = "qwen35_moe"
 
@@ -65,7 +66,7 @@ class Qwen35ExpertsConfig:
     """
     How experts run on their tokens: ``grouped_mm`` (Hopper GPUs, bf16),
     ``batched`` or ``loop`` (anywhere), or ``auto``; see
-    :data:`~qwen35_fs2.models.moe.ExpertDispatch`.
+    :data:`~qwen35_fs2.nn.moe.experts.ExpertDispatch`.
     """
 
     router_precision: RouterPrecision = "activation"
@@ -73,7 +74,7 @@ class Qwen35ExpertsConfig:
     Where the router computes its logits: ``activation`` (in the autocast or
     activation dtype, as transformers and vLLM do, so that training routes
     near-tied tokens as serving will) or ``fp32``; see
-    :data:`~qwen35_fs2.models.moe.RouterPrecision`. Hugging Face configs have
+    :data:`~qwen35_fs2.nn.moe.router.RouterPrecision`. Hugging Face configs have
     no such setting; it is neither read from nor written to them.
     """
 

@@ -10,14 +10,11 @@ from fairseq2.models.transformer import FeedForwardNetwork, GLUFeedForwardNetwor
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import Linear, PositionEncoder
 
-from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.factory import Qwen35Factory
-from qwen35_fs2.models.moe import (
-    Qwen35MoeBlock,
-    RoutedExperts,
-    TopKRouter,
-    pass_batch_layout_to_ffn,
-)
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, pass_batch_layout_to_ffn
+from qwen35_fs2.nn.moe.experts import RoutedExperts
+from qwen35_fs2.nn.moe.router import TopKRouter
 from qwen35_fs2.models.moe_config import Qwen35MoeConfig
 
 

@@ -65,7 +65,7 @@ def convert_qwen35_moe_state_dict(
     Experts may be fused (``mlp.experts.gate_up_proj`` ``[E, 2I, M]``, gate
     rows first, and ``mlp.experts.down_proj`` ``[E, M, I]``) or per expert
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); both become the fused
-    parameters of :class:`~qwen35_fs2.models.moe.RoutedExperts`. Missing,
+    parameters of :class:`~qwen35_fs2.nn.moe.experts.RoutedExperts`. Missing,
     unknown or mis-shaped expert tensors raise a :class:`StateDictError`
     naming them. The output projection is checked and native fairseq2
     checkpoints pass through as in

@@ -24,8 +24,8 @@ from fairseq2.nn import BatchLayout
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, ensure_hf_reference, hf_greedy_generate
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2 import Qwen35MoeConfig, load_hf_model, qwen35_config_from_hf
-from qwen35_fs2.models import Qwen35MoeBlock, collect_moe_statistics
-from qwen35_fs2.models.moe import TopKRouter
+from qwen35_fs2.nn import Qwen35MoeBlock, collect_moe_statistics
+from qwen35_fs2.nn.moe.router import TopKRouter
 
 pytestmark = pytest.mark.slow
 

@@ -30,8 +30,8 @@ from fairseq2.gang import Gangs, ProcessGroupGang, create_fake_gangs, create_par
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, get_shard_dims
 
+from qwen35_fs2.nn import collect_moe_statistics
 from qwen35_fs2.models import (
-    collect_moe_statistics,
     create_qwen35_model,
     create_qwen35_moe_model,
     get_qwen35_model_hub,

@@ -9,7 +9,7 @@ from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 
 from qwen35_fs2.models import Qwen35Config, create_qwen35_model
 from qwen35_fs2.models.config import tiny_qwen35_config
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 
 
 def _make_model(config: Qwen35Config | None = None, seed: int = 0) -> TransformerLM:

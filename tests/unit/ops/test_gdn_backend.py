@@ -261,8 +261,8 @@ class TestBackendFollowsTheDevice:
     def test_layer_resolves_for_the_device_of_each_input(
         self, fla_present: None, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from qwen35_fs2.models import gated_deltanet as gdn_module
-        from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+        from qwen35_fs2.nn import gated_deltanet as gdn_module
+        from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 
         layer = GatedDeltaNet(16, 1, 2, 8, 8, 4, backend="auto")
 
@@ -287,7 +287,7 @@ class TestBackendFollowsTheDevice:
     def test_layer_asked_for_fla_fails_on_cpu_before_reaching_triton(
         self, fla_present: None, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+        from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 

@@ -10,7 +10,7 @@ from fairseq2.recipe.error import RecipeError
 
 from qwen35_fs2.models import create_qwen35_model
 from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
-from qwen35_fs2.models.moe import MoeStatistics
+from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.models.tokenizer import Qwen35Tokenizer, Qwen35TokenizerConfig, get_qwen35_tokenizer_dir, load_qwen35_tokenizer
 from qwen35_fs2.recipes.common import (
     LMLossComputer,

@@ -15,17 +15,17 @@ from fairseq2.models.transformer import CausalAttentionBias, create_default_sdpa
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 
-from qwen35_fs2.models.attention import Qwen35Attention
+from qwen35_fs2.nn.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
-from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.models.interop import group_qkv_rows, ungroup_qkv_rows
-from qwen35_fs2.models.moe import Qwen35MoeBlock
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
-from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
-from qwen35_fs2.models.rotary import PartialRotaryEncoder
+from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
+from qwen35_fs2.nn.rotary import PartialRotaryEncoder
 from qwen35_fs2.models.sharder import get_qwen35_shard_specs
-from qwen35_fs2.models.tp import TiedVocabShardedProjection
+from qwen35_fs2.nn.tp import TiedVocabShardedProjection
 
 
 def _attention(num_heads: int, num_key_value_heads: int, tp_size: int, tp_rank: int) -> Qwen35Attention:

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from fairseq2.nn import BatchLayout, IncrementalStateBag
 
 from fla_interpreter import fla_test_device
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.ops.backend import fla_unavailable_reason
 
 DEVICE = fla_test_device()

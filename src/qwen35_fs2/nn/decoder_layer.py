@@ -15,7 +15,7 @@ from fairseq2.models.transformer import (
 from fairseq2.models.transformer_lm import TransformerLMDecoderLayer
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
-from qwen35_fs2.models.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
 

@@ -14,7 +14,7 @@ from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.models.transformer_lm import TransformerLMDecoder
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
-from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
 

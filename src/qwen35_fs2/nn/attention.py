@@ -32,7 +32,7 @@ from fairseq2.nn import (
 from fairseq2.ops import repeat_interleave
 from fairseq2.ops.tensor_parallel import gather, reduce_on_backward
 
-from qwen35_fs2.models.tp import (
+from qwen35_fs2.nn.tp import (
     call_with_tp_summed_gradients,
     check_tp_divisible,
     sum_gradient_over_tp,

@@ -26,8 +26,8 @@ from fairseq2.nn import (
 )
 from fairseq2.nn.sharded import Sharded
 
-from qwen35_fs2.models.normalization import GatedRMSNorm
-from qwen35_fs2.models.tp import call_with_tp_summed_gradients, check_tp_divisible
+from qwen35_fs2.nn.normalization import GatedRMSNorm
+from qwen35_fs2.nn.tp import call_with_tp_summed_gradients, check_tp_divisible
 from qwen35_fs2.ops import GdnBackendRequest, causal_conv1d, gated_delta_rule, resolve_gdn_backend
 from qwen35_fs2.ops.varlen import VarlenMetadata
 

@@ -25,10 +25,10 @@ from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.nn import BatchLayout
 
 from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.attention import Qwen35Attention
+from qwen35_fs2.nn.attention import Qwen35Attention
 from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
-from qwen35_fs2.models.decoder_layer import Qwen35DecoderLayer
-from qwen35_fs2.models.normalization import ZeroCenteredRMSNorm
+from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
+from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
 
 # Qwen3.5 rotates 64 of the 256 dimensions of its attention heads.
 ROTARY_FRACTION = 4

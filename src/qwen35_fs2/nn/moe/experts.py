@@ -1,0 +1,459 @@
+"""The routed experts of the Qwen3.5-MoE block: ``E`` SwiGLU experts with
+stacked weights, each run on the tokens routed to it."""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal, final
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+from torch.nn import Module, Parameter
+from typing_extensions import override
+
+from fairseq2.data_type import DataType
+from fairseq2.device import Device
+from fairseq2.error import NotSupportedError
+from fairseq2.gang import Gangs, get_current_gangs
+from fairseq2.nn.sharded import Sharded
+
+from qwen35_fs2.nn.moe.router import ParameterInitializer, init_uniform
+from qwen35_fs2.nn.tp import check_tp_divisible
+from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
+
+ExpertDispatch = Literal["auto", "grouped_mm", "batched", "loop"]
+"""
+How :class:`RoutedExperts` runs the experts on their tokens:
+
+- ``grouped_mm``: one ``torch._grouped_mm`` per projection (CUDA compute
+  capability 9.0 or newer, bf16);
+- ``batched``: one ``bmm`` per projection over the tokens of each expert
+  padded to the largest group (runs anywhere; computes the padding too);
+- ``loop``: one GEMM per expert with tokens (runs anywhere; exact work, but
+  one call per expert);
+- ``auto``: ``grouped_mm`` where supported, otherwise ``batched`` when
+  padding adds at most half the tokens, otherwise ``loop``.
+"""
+
+_MAX_BATCHED_PADDING: Final = 0.5
+"""The largest fraction of padding rows for which ``auto`` picks ``batched``."""
+
+
+@final
+class RoutedExperts(Module, Sharded):
+    """``E`` SwiGLU experts whose weights are stacked along a leading expert
+    dimension, in the layout of the released checkpoints:
+
+    - ``gate_inner_proj`` :math:`(E, 2I, M)`: the gate projection (rows
+      ``[0, I)``) and the inner ("up") projection (rows ``[I, 2I)``);
+    - ``output_proj`` :math:`(E, M, I)`: the output ("down") projection.
+
+    FSDP2 shards parameters along dimension 0, so each rank holds whole
+    experts. :meth:`forward` runs each expert only on the tokens routed to it.
+
+    Under tensor parallelism each rank holds ``E / tp_size`` consecutive
+    experts, from :attr:`first_local_expert` on (the parameters then have
+    :attr:`num_local_experts` rows), and runs only those.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        model_dim: int,
+        inner_dim: int,
+        *,
+        dispatch: ExpertDispatch = "auto",
+        init_fn: ParameterInitializer | None = None,
+        gangs: Gangs | None = None,
+        device: Device | None = None,
+        dtype: DataType | None = None,
+    ) -> None:
+        super().__init__()
+
+        if dispatch not in ("auto", "grouped_mm", "batched", "loop"):
+            raise ValueError(
+                f"`dispatch` must be 'auto', 'grouped_mm', 'batched', or 'loop', but is '{dispatch}' instead."
+            )
+
+        if gangs is None:
+            gangs = get_current_gangs(device)
+
+        check_tp_divisible("num_experts", num_experts, gangs.tp)
+
+        self.num_experts = num_experts
+        self.model_dim = model_dim
+        self.inner_dim = inner_dim
+        self.dispatch = dispatch
+        self.init_fn = init_fn
+
+        self.num_local_experts = num_experts // gangs.tp.size
+
+        self.first_local_expert = gangs.tp.rank * self.num_local_experts
+
+        self.gate_inner_proj = Parameter(
+            torch.empty((self.num_local_experts, 2 * inner_dim, model_dim), device=device, dtype=dtype)
+        )
+
+        self.output_proj = Parameter(
+            torch.empty((self.num_local_experts, model_dim, inner_dim), device=device, dtype=dtype)
+        )
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.init_fn is not None:
+            self.init_fn(self.gate_inner_proj)
+            self.init_fn(self.output_proj)
+        else:
+            init_uniform(self.gate_inner_proj, fan_in=self.model_dim)
+            init_uniform(self.output_proj, fan_in=self.inner_dim)
+
+    def forward(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        """
+        :param seqs: The tokens sorted by expert: the first
+            ``tokens_per_expert[0]`` rows go to expert 0, and so on.
+            *Shape:* :math:`(T_r,M)`.
+        :param tokens_per_expert: The tokens of each of the rank's experts.
+            *Shape:* :math:`(E_l,)`, summing to :math:`T_r`.
+
+        :returns: *Shape:* Same as ``seqs``.
+        """
+        if self._use_grouped_mm(seqs):
+            return self._forward_grouped_mm(seqs, tokens_per_expert)
+
+        # Host integers: both fallbacks need the group bounds.
+        group_sizes = tokens_per_expert.tolist()
+
+        function: type[_BatchedSwiGLUExperts | _LoopedSwiGLUExperts]
+
+        if self.resolve_fallback(group_sizes) == "batched":
+            function = _BatchedSwiGLUExperts
+        else:
+            function = _LoopedSwiGLUExperts
+
+        dtype = autocast_dtype(seqs)
+
+        output: Tensor = function.apply(  # type: ignore[no-untyped-call]
+            seqs.to(dtype),
+            self.gate_inner_proj.to(dtype),
+            self.output_proj.to(dtype),
+            group_sizes,
+        )
+
+        return output
+
+    def _use_grouped_mm(self, seqs: Tensor) -> bool:
+        if self.dispatch in ("batched", "loop"):
+            return False
+
+        reason = self._grouped_mm_unsupported_reason(seqs)
+
+        if reason is None:
+            return True
+
+        if self.dispatch == "grouped_mm":
+            raise NotSupportedError(
+                f"The `grouped_mm` expert dispatch cannot run here: {reason} Use `batched`, `loop`, or `auto` instead."
+            )
+
+        return False
+
+    def resolve_fallback(self, group_sizes: list[int]) -> Literal["batched", "loop"]:
+        """Returns the path :meth:`forward` takes where ``grouped_mm`` cannot
+        run, for experts receiving ``group_sizes`` tokens."""
+        if self.dispatch == "loop":
+            return "loop"
+
+        if self.dispatch == "batched":
+            return "batched"
+
+        num_padded_rows = len(group_sizes) * max(group_sizes, default=0)
+
+        if num_padded_rows <= (1.0 + _MAX_BATCHED_PADDING) * sum(group_sizes):
+            return "batched"
+
+        return "loop"
+
+    def _grouped_mm_unsupported_reason(self, seqs: Tensor) -> str | None:
+        if not hasattr(torch, "_grouped_mm"):
+            return f"PyTorch {torch.__version__} has no `torch._grouped_mm`."
+
+        # PyTorch 2.9 runs the forward pass of `_grouped_mm` on CPU, but not
+        # its backward pass.
+        if seqs.device.type != "cuda":
+            return f"it needs a CUDA device, but the tokens are on {seqs.device}."
+
+        if torch.cuda.get_device_capability(seqs.device) < (9, 0):
+            return "it needs a GPU of compute capability 9.0 (Hopper) or newer."
+
+        if autocast_dtype(seqs) != torch.bfloat16:
+            return f"it needs bf16 tokens, but they are {autocast_dtype(seqs)}."
+
+        # Rows of both operands must be 16-byte aligned.
+        if self.model_dim % 8 != 0 or self.inner_dim % 8 != 0:
+            return f"it needs `model_dim` ({self.model_dim}) and the expert inner dimension ({self.inner_dim}) to be multiples of 8."
+
+        return None
+
+    def _forward_grouped_mm(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+        dtype = autocast_dtype(seqs)
+
+        # Group ends; stays on the device, so no host synchronization.
+        offsets = tokens_per_expert.cumsum(0, dtype=torch.int32)
+
+        gate_inner_proj = self.gate_inner_proj.to(dtype).transpose(-2, -1)
+        output_proj = self.output_proj.to(dtype).transpose(-2, -1)
+
+        # (T_r, M) @ (E, M, 2I) -> (T_r, 2I)
+        gate_inner = torch._grouped_mm(seqs.to(dtype), gate_inner_proj, offs=offsets)
+
+        gate, inner = gate_inner.chunk(2, dim=-1)
+
+        # (T_r, I) @ (E, I, M) -> (T_r, M)
+        return torch._grouped_mm(F.silu(gate) * inner, output_proj, offs=offsets)
+
+    @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        return [(self.gate_inner_proj, 0), (self.output_proj, 0)]
+
+    @override
+    def extra_repr(self) -> str:
+        s = (
+            f"num_experts={self.num_experts}, "
+            f"model_dim={self.model_dim}, "
+            f"inner_dim={self.inner_dim}, "
+            f"dispatch={self.dispatch}"
+        )
+
+        if self.num_local_experts != self.num_experts:
+            s = f"{s}, num_local_experts={self.num_local_experts}, first_local_expert={self.first_local_expert}"
+
+        return s
+
+
+class _LoopedSwiGLUExperts(torch.autograd.Function):
+    """The SwiGLU experts on tokens sorted by expert, one GEMM per expert and
+    projection, each writing into one output buffer.
+
+    Autograd over per-expert slices would concatenate the outputs and stack
+    the per-expert weight gradients, copying every activation and gradient
+    once more; here the gradients of the stacked weights are written in
+    place, and the elementwise SwiGLU runs once over all tokens.
+    """
+
+    @staticmethod
+    @autocast_free
+    def forward(
+        ctx: Any,
+        seqs: Tensor,
+        gate_inner_proj: Tensor,
+        output_proj: Tensor,
+        group_sizes: list[int],
+    ) -> Tensor:
+        groups = _group_bounds(group_sizes)
+
+        # (T_r, M) @ (M, 2I) per expert -> (T_r, 2I)
+        gate_inner = seqs.new_empty((seqs.size(0), gate_inner_proj.size(1)))
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(seqs[start:end], gate_inner_proj[expert_idx].t(), out=gate_inner[start:end])
+
+        hidden = _swiglu(gate_inner)
+
+        # (T_r, I) @ (I, M) per expert -> (T_r, M)
+        output = seqs.new_empty((seqs.size(0), output_proj.size(1)))
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(hidden[start:end], output_proj[expert_idx].t(), out=output[start:end])
+
+        # `hidden` is recomputed from `gate_inner` in the backward pass.
+        ctx.save_for_backward(seqs, gate_inner, gate_inner_proj, output_proj)
+
+        ctx.groups = groups
+
+        return output
+
+    @staticmethod
+    @autocast_free
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        seqs, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
+
+        groups = ctx.groups
+
+        grad_output = grad_output.contiguous()
+
+        silu_gate, hidden = _swiglu_parts(gate_inner)
+
+        grad_hidden = torch.empty_like(hidden)
+
+        # Experts without tokens get zero gradients.
+        grad_output_proj = torch.zeros_like(output_proj)
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(grad_output[start:end], output_proj[expert_idx], out=grad_hidden[start:end])
+
+            torch.mm(grad_output[start:end].t(), hidden[start:end], out=grad_output_proj[expert_idx])
+
+        grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
+
+        grad_seqs = torch.empty_like(seqs)
+
+        grad_gate_inner_proj = torch.zeros_like(gate_inner_proj)
+
+        for expert_idx, (start, end) in groups:
+            torch.mm(grad_gate_inner[start:end], gate_inner_proj[expert_idx], out=grad_seqs[start:end])
+
+            torch.mm(grad_gate_inner[start:end].t(), seqs[start:end], out=grad_gate_inner_proj[expert_idx])
+
+        return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
+
+
+class _BatchedSwiGLUExperts(torch.autograd.Function):
+    """The SwiGLU experts on tokens sorted by expert, as batched GEMMs over
+    the tokens of each expert padded to the largest group.
+
+    Two ``bmm`` calls per pass instead of two GEMMs per expert: on a shared
+    CPU the per-call thread synchronisation of many small GEMMs costs more
+    than moderate padding. Padding rows are zero, so they add nothing to the
+    weight gradients; only they are zero-filled.
+    """
+
+    @staticmethod
+    @autocast_free
+    def forward(
+        ctx: Any,
+        seqs: Tensor,
+        gate_inner_proj: Tensor,
+        output_proj: Tensor,
+        group_sizes: list[int],
+    ) -> Tensor:
+        num_experts = len(group_sizes)
+
+        capacity = max(group_sizes)
+
+        rows, pad_rows = _padded_rows(group_sizes, capacity, seqs.device)
+
+        # (T_r, M) -> (E, C, M)
+        padded_seqs = _pad_rows(seqs, rows, pad_rows).view(num_experts, capacity, -1)
+
+        # (E, C, M) @ (E, M, 2I) -> (E, C, 2I)
+        gate_inner = torch.bmm(padded_seqs, gate_inner_proj.transpose(1, 2))
+
+        # (E, C, I) @ (E, I, M) -> (E, C, M)
+        output = torch.bmm(_swiglu(gate_inner), output_proj.transpose(1, 2))
+
+        ctx.save_for_backward(padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj)
+
+        # (E, C, M) -> (T_r, M)
+        return output.flatten(0, 1).index_select(0, rows)
+
+    @staticmethod
+    @autocast_free
+    @once_differentiable
+    def backward(
+        ctx: Any, grad_output: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, None]:
+        padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
+
+        # (T_r, M) -> (E, C, M)
+        grad_output = _pad_rows(grad_output, rows, pad_rows).view(padded_seqs.shape)
+
+        silu_gate, hidden = _swiglu_parts(gate_inner)
+
+        # (E, C, M) @ (E, M, I) -> (E, C, I)
+        grad_hidden = torch.bmm(grad_output, output_proj)
+
+        # (E, M, C) @ (E, C, I) -> (E, M, I)
+        grad_output_proj = torch.bmm(grad_output.transpose(1, 2), hidden)
+
+        grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
+
+        # (E, 2I, C) @ (E, C, M) -> (E, 2I, M)
+        grad_gate_inner_proj = torch.bmm(grad_gate_inner.transpose(1, 2), padded_seqs)
+
+        # (E, C, 2I) @ (E, 2I, M) -> (E, C, M) -> (T_r, M)
+        grad_seqs = torch.bmm(grad_gate_inner, gate_inner_proj).flatten(0, 1).index_select(0, rows)
+
+        return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
+
+
+def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> tuple[Tensor, Tensor]:
+    """Returns the row of each sorted token in the experts' groups padded to
+    ``capacity`` rows each, and the padding rows."""
+    sizes = torch.tensor(group_sizes, device=device)
+
+    group_starts = sizes.cumsum(0) - sizes
+
+    experts = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), sizes)
+
+    positions = torch.arange(experts.size(0), device=device) - group_starts[experts]
+
+    rows = experts * capacity + positions
+
+    is_padding = torch.ones(len(group_sizes) * capacity, dtype=torch.bool, device=device)
+
+    is_padding[rows] = False
+
+    return rows, is_padding.nonzero().squeeze(1)
+
+
+def _pad_rows(x: Tensor, rows: Tensor, pad_rows: Tensor) -> Tensor:
+    """Returns ``x`` at ``rows`` and zeros at ``pad_rows``."""
+    padded = x.new_empty((rows.size(0) + pad_rows.size(0), x.size(-1)))
+
+    padded.index_fill_(0, pad_rows, 0.0)
+
+    return padded.index_copy_(0, rows, x)
+
+
+def _swiglu(gate_inner: Tensor) -> Tensor:
+    """``silu(gate) * inner``, with the gate in the first half of the last
+    dimension of ``gate_inner``."""
+    return _swiglu_parts(gate_inner)[1]
+
+
+def _swiglu_parts(gate_inner: Tensor) -> tuple[Tensor, Tensor]:
+    """Returns ``silu(gate)`` and :func:`_swiglu` of ``gate_inner``."""
+    gate, inner = gate_inner.chunk(2, dim=-1)
+
+    silu_gate = F.silu(gate)
+
+    return silu_gate, silu_gate * inner
+
+
+def _swiglu_backward(gate_inner: Tensor, silu_gate: Tensor, grad_hidden: Tensor) -> Tensor:
+    """Returns the gradient of :func:`_swiglu` with respect to ``gate_inner``.
+
+    Written into the two halves of one buffer, with the fused SiLU backward:
+    on CPU these elementwise passes cost nearly as much as the GEMMs.
+    """
+    gate, inner = gate_inner.chunk(2, dim=-1)
+
+    grad_gate_inner = torch.empty_like(gate_inner)
+
+    grad_gate, grad_inner = grad_gate_inner.chunk(2, dim=-1)
+
+    torch.ops.aten.silu_backward.grad_input(grad_hidden * inner, gate, grad_input=grad_gate)
+
+    torch.mul(grad_hidden, silu_gate, out=grad_inner)
+
+    return grad_gate_inner
+
+
+def _group_bounds(group_sizes: list[int]) -> list[tuple[int, tuple[int, int]]]:
+    """Returns ``(expert index, (start, end))`` of each expert with tokens."""
+    bounds = []
+
+    start = 0
+
+    for expert_idx, size in enumerate(group_sizes):
+        if size > 0:
+            bounds.append((expert_idx, (start, start + size)))
+
+        start += size
+
+    return bounds
