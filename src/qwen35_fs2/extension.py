@@ -22,7 +22,7 @@ from qwen35_fs2.export_cli import (
     install_hg_export_failure_filter,
 )
 from qwen35_fs2.models.factory import create_qwen35_model
-from qwen35_fs2.models.fsdp import apply_fsdp_to_qwen35
+from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.models.hf_export import _Qwen35HuggingFaceConverter
 from qwen35_fs2.models.interop import convert_qwen35_state_dict
 from qwen35_fs2.models.moe_config import (
@@ -32,10 +32,8 @@ from qwen35_fs2.models.moe_config import (
 )
 from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
 from qwen35_fs2.models.moe_interop import convert_qwen35_moe_state_dict
-from qwen35_fs2.models.sharded_family import (
-    apply_ac_to_qwen35,
-    register_qwen35_model_family,
-)
+from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
+from qwen35_fs2.models.sharded_family import register_qwen35_model_family
 from qwen35_fs2.models.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
@@ -63,7 +61,7 @@ def register_qwen35(container: DependencyContainer) -> None:
 
     # FSDP2 shards the stacked expert weights along their first dimension, so
     # each rank holds whole experts; the dense appliers need nothing more
-    # (see `qwen35_fs2.models.fsdp`).
+    # (see `qwen35_fs2.parallel.fsdp`).
     register_qwen35_model_family(
         container,
         QWEN35_MOE_FAMILY,

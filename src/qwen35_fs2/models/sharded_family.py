@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import TypeVar, final
 from weakref import WeakKeyDictionary
 
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.nn import Module
 from typing_extensions import override
 
@@ -44,7 +43,7 @@ from fairseq2.models.family import (
     ModelStateDictConverter,
     StandardModelFamily,
 )
-from fairseq2.models.transformer_lm import TransformerLM, apply_ac_to_transformer_lm
+from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
 from fairseq2.recipe.config import TrainerSection
 from fairseq2.runtime.dependency import (
@@ -59,6 +58,7 @@ from qwen35_fs2.models.config import Qwen35Config, adopt_hf_architecture, qwen35
 from qwen35_fs2.models.hf import find_checkpoint_hf_config, load_hf_config
 from qwen35_fs2.models.interop import is_hg_state_dict
 from qwen35_fs2.models.sharded_loading import allocate_shards, index_safetensors, load_hf_checkpoint_shards
+from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 
 
 @final
@@ -293,14 +293,3 @@ def _uses_fsdp(trainer: TrainerSection, gangs: Gangs) -> bool:
 
     # fairseq2 falls back to DDP.
     return not (gangs.rdp.size > 1 and gangs.sdp.size == 1)
-
-
-def apply_ac_to_qwen35(model: TransformerLM, every_nth_layer: int) -> Module:
-    """fairseq2's layerwise activation checkpointing, except that it leaves
-    a model whose layers it already wraps as it is (as
-    :func:`finish_sharded_checkpoint_loading` leaves it before fairseq2
-    applies it again)."""
-    if any(isinstance(layer, CheckpointWrapper) for layer in model.decoder.layers):
-        return model
-
-    return apply_ac_to_transformer_lm(model, every_nth_layer)

@@ -5,7 +5,7 @@ fairseq2 0.8.1 loads a checkpoint on data-parallel rank 0 (the whole model on
 its device and, unless memory-mapped, in its host memory) and broadcasts it
 while wrapping the model with FSDP. Here every rank builds the model on the
 meta device, shards it (tensor parallelism in the modules, FSDP2 with
-:func:`~qwen35_fs2.models.fsdp.shard_qwen35_with_fsdp2`), allocates only its
+:func:`~qwen35_fs2.parallel.fsdp.shard_qwen35_with_fsdp2`), allocates only its
 own shards, and reads from the safetensors files only the rows (and, for
 row-sharded projections, columns) of each tensor that it owns. A rank's
 peak memory is then its shards plus a bounded read buffer, on the host and
@@ -54,7 +54,7 @@ from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 
 from qwen35_fs2.models.config import Qwen35Config
 from qwen35_fs2.models.factory import create_qwen35_model
-from qwen35_fs2.models.fsdp import shard_qwen35_with_fsdp2
+from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 from qwen35_fs2.models.interop import (
     _GROUPED_QKV_KEY,
     _HG_KEY_MAP,
@@ -679,7 +679,7 @@ def create_sharded_qwen35_model(
     on ``gangs.root.device``, left uninitialized: tensor parallel under
     ``gangs.tp`` and, if ``gangs.sdp`` has more than one rank and
     ``fsdp_granularity`` is not ``None``, sharded with FSDP2 (see
-    :func:`~qwen35_fs2.models.fsdp.shard_qwen35_with_fsdp2` for the other
+    :func:`~qwen35_fs2.parallel.fsdp.shard_qwen35_with_fsdp2` for the other
     options)."""
     with torch.device("meta"), set_gangs(gangs, meta=True), set_dtype(dtype):
         if isinstance(config, Qwen35MoeConfig):

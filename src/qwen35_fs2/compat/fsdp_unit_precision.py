@@ -49,7 +49,7 @@ def keep_fsdp_unit_in_fp32(module: Module) -> None:
 
     if not hasattr(state, "_mp_policy") or not hasattr(param_group, "mp_policy"):
         raise RuntimeError(
-            "FSDP2's unit state has no `_mp_policy`/`mp_policy` attribute in this PyTorch version, which `keep_fsdp_unit_in_fp32` relies on. Update the workaround in `qwen35_fs2.models.fsdp_unit_precision`."
+            "FSDP2's unit state has no `_mp_policy`/`mp_policy` attribute in this PyTorch version, which `keep_fsdp_unit_in_fp32` relies on. Update the workaround in `qwen35_fs2.compat.fsdp_unit_precision`."
         )
 
     # FSDP2 sets `orig_dtype` when it reads the policy, at the first forward.

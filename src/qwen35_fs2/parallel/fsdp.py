@@ -43,7 +43,7 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.models.utils.fsdp import apply_layerwise_fsdp
 from fairseq2.nn.fsdp import FSDPWrapper
 
-from qwen35_fs2.models.fsdp_unit_precision import keep_fsdp_unit_in_fp32
+from qwen35_fs2.compat.fsdp_unit_precision import keep_fsdp_unit_in_fp32
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetDecay
 
 QWEN35_FSDP_GRANULARITIES: Final = ("layer", "stack", "model")
