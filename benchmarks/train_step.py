@@ -117,7 +117,7 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 
     from fairseq2.nn import BatchLayout
 
-    from qwen35_fs2.models import Qwen35Config, create_qwen35_model
+    from qwen35_fs2.models.qwen35 import Qwen35Config, create_qwen35_model
 
     config = Qwen35Config(
         model_dim=cfg.model_dim,

@@ -116,9 +116,9 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
 
     from fairseq2.nn import BatchLayout
 
-    from qwen35_fs2.models import Qwen35ExpertsConfig, Qwen35MoeConfig
+    from qwen35_fs2.models.qwen35_moe import Qwen35ExpertsConfig, Qwen35MoeConfig
     from qwen35_fs2.nn import collect_moe_statistics
-    from qwen35_fs2.models import create_qwen35_moe_model
+    from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 
     config = Qwen35MoeConfig(
         model_dim=cfg.model_dim,

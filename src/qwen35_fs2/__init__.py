@@ -1,14 +1,15 @@
 """Qwen3.5 for fairseq2.
 
-The public Python API; the fairseq2 integration itself (model family, archs,
-asset cards, tokenizer) is registered through the ``fairseq2.extension``
-entry point (:func:`qwen35_fs2.extension.register_qwen35`).
+The public Python API; the fairseq2 integration itself (model families,
+archs, asset cards, tokenizer) is registered through the
+``fairseq2.extension`` entry point
+(:func:`qwen35_fs2.extension.register_qwen35`).
 """
 
 from __future__ import annotations
 
-from qwen35_fs2.models import Qwen35Config as Qwen35Config
-from qwen35_fs2.models import Qwen35MoeConfig as Qwen35MoeConfig
-from qwen35_fs2.models import load_hf_model as load_hf_model
-from qwen35_fs2.models import save_hf_model as save_hf_model
-from qwen35_fs2.models import qwen35_config_from_hf as qwen35_config_from_hf
+from qwen35_fs2.hf import load_hf_model as load_hf_model
+from qwen35_fs2.hf import qwen35_config_from_hf as qwen35_config_from_hf
+from qwen35_fs2.models.hf_export import save_hf_model as save_hf_model
+from qwen35_fs2.models.qwen35 import Qwen35Config as Qwen35Config
+from qwen35_fs2.models.qwen35_moe import Qwen35MoeConfig as Qwen35MoeConfig

@@ -50,8 +50,9 @@ from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily, ModelHub
 from fairseq2.runtime.dependency import get_dependency_resolver
 
-from qwen35_fs2.models.config import QWEN35_FAMILY, Qwen35Config, qwen35_config_from_hf
-from qwen35_fs2.models.hf import load_hf_config
+from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
+from qwen35_fs2.hf.config import qwen35_config_from_hf
+from qwen35_fs2.hf.config import load_hf_config
 from qwen35_fs2.models.hf_export import (
     DEFAULT_MAX_SHARD_SIZE,
     EXPORT_DTYPES,
@@ -62,8 +63,11 @@ from qwen35_fs2.models.hf_export import (
     plan_hf_export,
     write_hf_export,
 )
-from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
-from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
+from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+from qwen35_fs2.models.qwen35.tokenizer import (
+    QWEN35_TOKENIZER_ASSET,
+    get_qwen35_tokenizer_dir,
+)
 
 _PROG: Final = "fairseq2 lm export_hf"
 

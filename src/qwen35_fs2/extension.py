@@ -12,7 +12,7 @@ from fairseq2.models.hg import HuggingFaceConverter
 from fairseq2.models.transformer_lm import compile_transformer_lm
 from fairseq2.runtime.dependency import DependencyContainer
 
-from qwen35_fs2.models.config import (
+from qwen35_fs2.models.qwen35.config import (
     QWEN35_FAMILY,
     Qwen35Config,
     register_qwen35_configs,
@@ -21,20 +21,20 @@ from qwen35_fs2.export_cli import (
     hand_over_fairseq2_hg_export,
     install_hg_export_failure_filter,
 )
-from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.models.hf_export import _Qwen35HuggingFaceConverter
-from qwen35_fs2.models.interop import convert_qwen35_state_dict
-from qwen35_fs2.models.moe_config import (
+from qwen35_fs2.models.qwen35.interop import convert_qwen35_state_dict
+from qwen35_fs2.models.qwen35_moe.config import (
     QWEN35_MOE_FAMILY,
     Qwen35MoeConfig,
     register_qwen35_moe_configs,
 )
-from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
-from qwen35_fs2.models.moe_interop import convert_qwen35_moe_state_dict
+from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35_moe.interop import convert_qwen35_moe_state_dict
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.models.sharded_family import register_qwen35_model_family
-from qwen35_fs2.models.tokenizer import (
+from qwen35_fs2.models.qwen35.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
     load_qwen35_tokenizer,

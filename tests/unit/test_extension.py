@@ -12,7 +12,7 @@ from fairseq2.assets import get_asset_store
 from fairseq2.models.hub import load_model  # noqa: F401  (the API users call)
 
 from offline_hub import use_offline_hub_cache
-from qwen35_fs2.models import get_qwen35_model_hub
+from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
 
 _RELEASED = ["0.8b", "2b", "4b", "9b", "27b"]
 

@@ -40,17 +40,12 @@ from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.hg import HuggingFaceConfig, HuggingFaceConverter
 from fairseq2.models.utils.checkpoint import convert_state_dict, create_reverse_key_map
 
-from qwen35_fs2.models.config import (
-    ENDOFTEXT_IDX,
-    QWEN35_FAMILY,
-    Qwen35Config,
-    get_text_config,
-    qwen35_config_from_hf,
-)
-from qwen35_fs2.models.hf import load_hf_config
-from qwen35_fs2.models.interop import convert_to_hg_state_dict
-from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
-from qwen35_fs2.models.moe_interop import _HG_MOE_KEY_MAP
+from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, QWEN35_FAMILY, Qwen35Config
+from qwen35_fs2.hf.config import get_text_config, qwen35_config_from_hf
+from qwen35_fs2.hf.config import load_hf_config
+from qwen35_fs2.models.qwen35.interop import convert_to_hg_state_dict
+from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+from qwen35_fs2.models.qwen35_moe.interop import _HG_MOE_KEY_MAP
 from qwen35_fs2.models.sharded_loading import SafetensorsTensor, index_safetensors
 
 EXPORTABLE_FAMILIES: Final = (QWEN35_FAMILY, QWEN35_MOE_FAMILY)
@@ -1158,7 +1153,7 @@ def save_hf_model(
     tokenizer_dir: str | Path | None = None,
 ) -> None:
     """Saves a Qwen3.5 model as a Hugging Face repository; the inverse of
-    :func:`~qwen35_fs2.models.hf.load_hf_model`.
+    :func:`~qwen35_fs2.hf.loading.load_hf_model`.
 
     ``save_hf_model(load_hf_model(d), out, base=d)`` reproduces the tensors
     of ``d`` bit for bit.

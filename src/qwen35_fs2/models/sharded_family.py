@@ -54,9 +54,10 @@ from fairseq2.runtime.dependency import (
 )
 from fairseq2.utils.validation import ValidationError
 
-from qwen35_fs2.models.config import Qwen35Config, adopt_hf_architecture, qwen35_config_from_hf
-from qwen35_fs2.models.hf import find_checkpoint_hf_config, load_hf_config
-from qwen35_fs2.models.interop import is_hg_state_dict
+from qwen35_fs2.models.qwen35.config import Qwen35Config
+from qwen35_fs2.hf.config import adopt_hf_architecture, qwen35_config_from_hf
+from qwen35_fs2.hf.config import find_checkpoint_hf_config, load_hf_config
+from qwen35_fs2.models.qwen35.interop import is_hg_state_dict
 from qwen35_fs2.models.sharded_loading import allocate_shards, index_safetensors, load_hf_checkpoint_shards
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 
@@ -105,7 +106,7 @@ class Qwen35ModelFamily(StandardModelFamily):  # type: ignore[misc]
         """Returns the configuration of ``card`` (its arch preset and config
         overrides, as fairseq2 makes it) with every field that a Hugging Face
         config defines taken from the ``config.json`` of its checkpoint, if
-        there is one (:func:`~qwen35_fs2.models.hf.find_checkpoint_hf_config`).
+        there is one (:func:`~qwen35_fs2.hf.config.find_checkpoint_hf_config`).
 
         The presets of some released sizes hold values inferred from
         secondary sources (the tie flags of 0.8B to 4B among them), and a

@@ -16,8 +16,8 @@ count as the process's resident memory until it is unmapped, which would add
 the rank's share of the checkpoint to its shards.
 
 The Hugging Face layouts are those of the state-dict converters
-(:func:`~qwen35_fs2.models.interop.convert_qwen35_state_dict` and
-:func:`~qwen35_fs2.models.moe_interop.convert_qwen35_moe_state_dict`): text
+(:func:`~qwen35_fs2.models.qwen35.interop.convert_qwen35_state_dict` and
+:func:`~qwen35_fs2.models.qwen35_moe.interop.convert_qwen35_moe_state_dict`): text
 and vision-language keys, the row grouping of the Gated DeltaNet, fused or
 per-expert MoE experts, and Qwen3-Next's packed projections. Every fairseq2
 tensor is a concatenation of row ranges of Hugging Face tensors
@@ -52,10 +52,10 @@ from fairseq2.models.utils.checkpoint import convert_state_dict
 from fairseq2.nn import get_shard_dims
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 
-from qwen35_fs2.models.config import Qwen35Config
-from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import Qwen35Config
+from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
-from qwen35_fs2.models.interop import (
+from qwen35_fs2.models.qwen35.interop import (
     _GROUPED_QKV_KEY,
     _HG_KEY_MAP,
     convert_qwen35_state_dict,
@@ -65,15 +65,15 @@ from qwen35_fs2.models.interop import (
     strip_vlm_prefix,
     tied_output_weights_error,
 )
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
-from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
-from qwen35_fs2.models.moe_interop import (
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35_moe.interop import (
     _HG_MOE_KEY_MAP,
     _MOE_KEY,
     _PER_EXPERT_KEY,
     convert_qwen35_moe_state_dict,
 )
-from qwen35_fs2.models.qwen3_next import _PACKED_KEY
+from qwen35_fs2.models.qwen3_next.interop import _PACKED_KEY
 
 DEFAULT_READ_BUFFER_BYTES: Final = 64 * 1024 * 1024
 """The largest read of a rank when a slice cannot go straight into its
@@ -317,7 +317,7 @@ def _take_rows(ranges: list[RowRange], start: int, length: int) -> list[RowRange
 def _per_group_rows(ranges: list[RowRange], num_groups: int, sizes: list[int]) -> list[list[RowRange]]:
     """Splits the rows of each of ``num_groups`` consecutive groups into
     parts of ``sizes`` and concatenates each part over the groups (the rows
-    of :func:`qwen35_fs2.models.qwen3_next._split_per_key_head`)."""
+    of :func:`qwen35_fs2.models.qwen3_next.interop._split_per_key_head`)."""
     group_size = sum(sizes)
 
     parts: list[list[RowRange]] = [[] for _ in sizes]
@@ -334,7 +334,7 @@ def _per_group_rows(ranges: list[RowRange], num_groups: int, sizes: list[int]) -
 
 
 def _unpack_qwen3_next_rows(plan: RowPlan, config: Qwen35Config) -> RowPlan:
-    """The rows of :func:`qwen35_fs2.models.qwen3_next.unpack_qwen3_next_projections`."""
+    """The rows of :func:`qwen35_fs2.models.qwen3_next.interop.unpack_qwen3_next_projections`."""
     num_key_heads = config.num_linear_key_heads
 
     ratio = config.num_linear_value_heads // num_key_heads
@@ -371,7 +371,7 @@ def _unpack_qwen3_next_rows(plan: RowPlan, config: Qwen35Config) -> RowPlan:
 
 def _fuse_expert_rows(plan: RowPlan, config: Qwen35MoeConfig) -> RowPlan:
     """The rows of the fused expert tensors of
-    :func:`qwen35_fs2.models.moe_interop.convert_qwen35_moe_state_dict`:
+    :func:`qwen35_fs2.models.qwen35_moe.interop.convert_qwen35_moe_state_dict`:
     ``gate_up_proj`` :math:`(E, 2I, M)` viewed as :math:`(E·2I, M)` is, per
     expert, its gate then its up rows; ``down_proj`` its down rows."""
     fused: RowPlan = {}
@@ -486,7 +486,7 @@ def load_hf_checkpoint_shards(
 def _check_tied_output_weights(
     index: Mapping[str, SafetensorsTensor], reader: _SafetensorsReader, read_buffer_bytes: int
 ) -> None:
-    """Runs the check of :func:`~qwen35_fs2.models.interop.check_tied_output_weights`,
+    """Runs the check of :func:`~qwen35_fs2.models.qwen35.interop.check_tied_output_weights`,
     which :func:`plan_hf_rows` ran on meta tensors, on the data: reads the
     embedding table and the output projection, if the checkpoint has one, in
     blocks of rows of at most ``read_buffer_bytes`` each and compares them."""

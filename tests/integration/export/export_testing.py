@@ -21,9 +21,9 @@ from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 
 from hf_reference import TinyQwen35Spec
 from qwen35_fs2 import load_hf_model
-from qwen35_fs2.models.config import qwen35_config_from_hf
-from qwen35_fs2.models.hf import load_hf_config
-from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+from qwen35_fs2.hf.config import qwen35_config_from_hf
+from qwen35_fs2.hf.config import load_hf_config
+from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
 
 DENSE_VLM = TinyQwen35Spec(layout="vlm", add_mtp=True)
 """The released layout: vision tower, MTP head, untied, fp32."""

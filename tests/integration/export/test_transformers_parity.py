@@ -13,7 +13,7 @@ from torch import Tensor
 from export_testing import DENSE_VLM, DENSE_VLM_BF16_TIED, INPUT_IDS, MOE_VLM, fairseq2_logits, fine_tune, read_config
 from hf_reference import HfReferenceBatch, ModelClass, Pending, TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf, save_hf_model
-from qwen35_fs2.models.hf import load_hf_config
+from qwen35_fs2.hf.config import load_hf_config
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ from hf_reference import TinyQwen35Spec
 from hf_reference.fixtures import TinyModelCache
 from offline_hub import use_offline_hub_cache
 from qwen35_fs2 import load_hf_model
-from qwen35_fs2.models import get_qwen35_model_hub
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 # Two untied checkpoints of `test_hf_parity.py`, so that a session builds
 # them once. They differ from the `qwen35_tiny` preset (tied, 1,024 entries,

@@ -29,8 +29,8 @@ from fairseq2.nn.ddp import to_ddp
 from fairseq2.nn.fsdp import to_fsdp2
 
 from qwen35_fs2.nn import collect_moe_statistics
-from qwen35_fs2.models import create_qwen35_moe_model
-from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 
 AUX_LOSS_COEF = 0.01
 

@@ -31,14 +31,13 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, get_shard_dims
 
 from qwen35_fs2.nn import collect_moe_statistics
-from qwen35_fs2.models import (
-    create_qwen35_model,
+from qwen35_fs2.models.qwen35 import create_qwen35_model, get_qwen35_model_hub
+from qwen35_fs2.models.qwen35_moe import (
     create_qwen35_moe_model,
-    get_qwen35_model_hub,
     get_qwen35_moe_model_hub,
 )
-from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
 
 CPU = torch.device("cpu")
 

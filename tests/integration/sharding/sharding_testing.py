@@ -12,10 +12,11 @@ from torch import Tensor
 from fairseq2.gang import create_fake_gangs, set_gangs
 from fairseq2.models.transformer_lm import TransformerLM
 
-from qwen35_fs2.models import create_qwen35_model, create_qwen35_moe_model
-from qwen35_fs2.models.config import Qwen35Config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.models.hf_export import to_hg_state_dict
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 
 CPU = torch.device("cpu")
 

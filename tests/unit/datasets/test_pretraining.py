@@ -646,7 +646,7 @@ class TestPretrainingReader:
 
     @pytest.mark.slow
     def test_reader_ends_qwen35_documents_with_endoftext(self, fineweb_dir: Path) -> None:  # fmt: skip
-        from qwen35_fs2.models.tokenizer import (
+        from qwen35_fs2.models.qwen35.tokenizer import (
             Qwen35TokenizerConfig,
             get_qwen35_tokenizer_dir,
             load_qwen35_tokenizer,

@@ -12,8 +12,8 @@ from fairseq2.nn import BatchLayout
 from qwen35_datasets_testing import ByteTokenizer, fake_gangs
 
 from qwen35_fs2.datasets import PretrainingDataset
-from qwen35_fs2.models.config import tiny_qwen35_config
-from qwen35_fs2.models.factory import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 
 
 @pytest.mark.parametrize("which", ["full", "padded"])

@@ -26,8 +26,8 @@ from qwen35_fs2.export_cli import (
     main,
     parse_size,
 )
-from qwen35_fs2.models import convert_qwen35_state_dict, create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 
 @pytest.fixture(scope="module")

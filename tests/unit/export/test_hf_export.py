@@ -21,14 +21,13 @@ from fairseq2.error import StateDictError
 from fairseq2.models.hg import get_hugging_face_converter
 
 from hf_reference import hf_reference_available, hf_reference_dir, read_safetensors_dir
-from qwen35_fs2.models import (
+from qwen35_fs2.models.qwen35_moe import (
     convert_qwen35_moe_state_dict,
-    convert_qwen35_state_dict,
-    create_qwen35_model,
     create_qwen35_moe_model,
-    qwen35_config_from_hf,
 )
-from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
+from qwen35_fs2.hf import qwen35_config_from_hf
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.models.hf_export import (
     HfExportError,
     HfRepository,
@@ -39,7 +38,7 @@ from qwen35_fs2.models.hf_export import (
     to_hg_state_dict,
     write_hf_export,
 )
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
 
 
 def _state_dict(config: Qwen35Config) -> dict[str, Tensor]:
@@ -401,7 +400,7 @@ class TestPlanHfExport:
     def test_ships_the_tokenizer_and_its_end_tokens_without_a_base(self, tmp_path: Path) -> None:
         from transformers import AutoTokenizer
 
-        from qwen35_fs2.models.tokenizer import get_qwen35_tokenizer_dir
+        from qwen35_fs2.models.qwen35.tokenizer import get_qwen35_tokenizer_dir
 
         config = tiny_qwen35_config()
 
@@ -584,8 +583,8 @@ class TestWriteHfExport:
         script = textwrap.dedent(
             f"""
             import resource, signal, sys
-            from qwen35_fs2.models.config import tiny_qwen35_config
-            from qwen35_fs2.models.factory import create_qwen35_model
+            from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
+            from qwen35_fs2.models.qwen35.factory import create_qwen35_model
             from qwen35_fs2.models.hf_export import HfExportError, save_hf_model
 
             config = tiny_qwen35_config()

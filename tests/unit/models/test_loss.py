@@ -12,8 +12,8 @@ from torch.amp import GradScaler
 from fairseq2.nn import BatchLayout, Linear, Projection
 from fairseq2.nn.functional import cross_entropy
 
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.models.loss import chunked_cross_entropy, install_chunked_lm_loss
 
 VOCAB_SIZE = 37

@@ -24,9 +24,9 @@ from torch import Tensor
 from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.nn import BatchLayout
 
-from qwen35_fs2.models import create_qwen35_model
+from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.nn.attention import Qwen35Attention
-from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
 

@@ -17,8 +17,8 @@ from fairseq2.data_type import set_dtype
 from fairseq2.nn import BatchLayout
 
 from qwen35_fs2 import load_hf_model
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetDecay
 from qwen35_fs2.models.hf_export import save_hf_model
 

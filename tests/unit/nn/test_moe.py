@@ -24,11 +24,11 @@ from fairseq2.models.transformer_lm import apply_ac_to_transformer_lm
 from fairseq2.nn import BatchLayout, Linear
 
 from qwen35_fs2.nn import collect_moe_statistics
-from qwen35_fs2.models import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.nn.moe.experts import ExpertDispatch, RoutedExperts
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.router import TopKRouter
-from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 
 MODEL_DIM = 16
 

@@ -18,8 +18,8 @@ from fairseq2.nn import BatchLayout
 
 import qwen35_fs2
 from fla_interpreter import fla_test_device
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.ops.backend import fla_unavailable_reason
 from qwen35_fs2.ops.varlen import VarlenMetadata
 

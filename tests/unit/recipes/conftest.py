@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from qwen35_fs2.models.tokenizer import (
+from qwen35_fs2.models.qwen35.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
     get_qwen35_tokenizer_dir,

@@ -8,10 +8,15 @@ from fairseq2.metrics import Max, Mean, MetricBag, Min, Sum
 from fairseq2.nn import BatchLayout
 from fairseq2.recipe.error import RecipeError
 
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, tiny_qwen35_config
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer, Qwen35TokenizerConfig, get_qwen35_tokenizer_dir, load_qwen35_tokenizer
+from qwen35_fs2.models.qwen35.tokenizer import (
+    Qwen35Tokenizer,
+    Qwen35TokenizerConfig,
+    get_qwen35_tokenizer_dir,
+    load_qwen35_tokenizer,
+)
 from qwen35_fs2.recipes.common import (
     LMLossComputer,
     LMTrainUnit,

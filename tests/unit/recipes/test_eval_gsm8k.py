@@ -12,7 +12,7 @@ from fairseq2.generation import GenerationCounters, Hypothesis, SequenceGenerato
 from fairseq2.metrics import Mean, MetricBag, Sum
 from fairseq2.nn import BatchLayout
 
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.eval_gsm8k import Gsm8kEvalUnit
 from qwen35_fs2.recipes.generation import create_prompt_reader
 from qwen35_fs2.recipes.instruction import ChatEncoder

@@ -12,7 +12,7 @@ import torch
 from fairseq2.assets import AssetDownloadManager
 from fairseq2.utils.uri import Uri
 
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionDataError,

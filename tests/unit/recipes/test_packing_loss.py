@@ -7,9 +7,9 @@ from fairseq2.datasets import SequenceBatch
 from fairseq2.models.transformer_lm import TransformerLM
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, tiny_qwen35_config
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.sft.dataset import SFTBatching
 
 from qwen35_sft_testing import read_one_sft_batch

@@ -7,8 +7,8 @@ from fairseq2.datasets import SequenceBatch
 from fairseq2.gang import FakeGang, Gangs, create_fake_gangs
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
-from qwen35_fs2.models.config import ENDOFTEXT_IDX
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.instruction import ChatEncoder, InstructionDataError, InstructionExample
 from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
 

@@ -22,9 +22,9 @@ from fairseq2.metrics import Mean, MetricBag
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import ENDOFTEXT_IDX, tiny_qwen35_config
-from qwen35_fs2.models.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, tiny_qwen35_config
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
 from qwen35_fs2.recipes.common import LMLossComputer, LMLossSection, LMTrainUnit, setup_lm_loss
 from qwen35_fs2.recipes.instruction import InstructionExample
 from qwen35_fs2.recipes.sft.dataset import SFTBatching

@@ -15,10 +15,10 @@ from fairseq2.recipe.config import AdamWConfig
 from fairseq2.recipe.optim import prepare_parameter_groups
 from torch.nn import Linear, Module, Parameter
 
-from qwen35_fs2.models.config import tiny_qwen35_config
-from qwen35_fs2.models.factory import create_qwen35_model
-from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
-from qwen35_fs2.models.moe_factory import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35.factory import create_qwen35_model
+from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
 from qwen35_fs2.recipes.optim import NO_WEIGHT_DECAY_PARAMS
 from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig
 from qwen35_fs2.recipes.train.config import PretrainConfig

@@ -8,7 +8,8 @@ from tp_testing import create_on_meta, fake_tp_gangs
 
 from fairseq2.models.transformer_lm import TransformerLM
 
-from qwen35_fs2.models import get_qwen35_model_hub, get_qwen35_moe_model_hub
+from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
+from qwen35_fs2.models.qwen35_moe import get_qwen35_moe_model_hub
 
 
 def _billions(count: int) -> float:

@@ -22,15 +22,14 @@ from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 
-from qwen35_fs2.models import (
+from qwen35_fs2.models.qwen35_moe import (
     convert_qwen35_moe_state_dict,
-    convert_qwen35_state_dict,
-    create_qwen35_model,
     create_qwen35_moe_model,
 )
-from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.models.hf_export import lay_out_experts, to_hg_state_dict
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
 from qwen35_fs2.models.sharded_loading import (
     create_sharded_qwen35_model,
     index_safetensors,

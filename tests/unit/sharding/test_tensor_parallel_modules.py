@@ -16,15 +16,16 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 
 from qwen35_fs2.nn.attention import Qwen35Attention
-from qwen35_fs2.models.config import Qwen35Config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
-from qwen35_fs2.models.interop import group_qkv_rows, ungroup_qkv_rows
+from qwen35_fs2.models.qwen35.interop import group_qkv_rows, ungroup_qkv_rows
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
-from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen35_moe.sharder import get_qwen35_moe_shard_specs
 from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.nn.rotary import PartialRotaryEncoder
-from qwen35_fs2.models.sharder import get_qwen35_shard_specs
+from qwen35_fs2.models.qwen35.sharder import get_qwen35_shard_specs
 from qwen35_fs2.nn.tp import TiedVocabShardedProjection
 
 
@@ -181,7 +182,12 @@ class TestGetQwen35ShardSpecs:
 
         shard_dims = get_shard_dims(model)
 
-        specs = {re.compile(pattern): spec for pattern, spec in get_qwen35_shard_specs(config).items()}
+        if isinstance(config, Qwen35MoeConfig):
+            config_specs = get_qwen35_moe_shard_specs(config)
+        else:
+            config_specs = get_qwen35_shard_specs(config)
+
+        specs = {re.compile(pattern): spec for pattern, spec in config_specs.items()}
 
         from_specs = {}
 

@@ -8,9 +8,10 @@ from torch.nn import Module
 
 from fairseq2.gang import FakeGang, Gangs, set_gangs
 
-from qwen35_fs2.models import create_qwen35_model, create_qwen35_moe_model
-from qwen35_fs2.models.config import Qwen35Config
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
+from qwen35_fs2.models.qwen35.config import Qwen35Config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 
 CPU = torch.device("cpu")
 

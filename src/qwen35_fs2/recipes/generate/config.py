@@ -15,7 +15,7 @@ from fairseq2.recipe.config import (
     TokenizerSection,
 )
 
-from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.recipes.generation import PromptDatasetSection
 
 

@@ -20,7 +20,7 @@ from fairseq2.recipe.config import (
 )
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
 from qwen35_fs2.recipes.optim import create_adamw_section

@@ -22,7 +22,7 @@ from fairseq2.utils.uri import Uri
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.datasets.pretraining import FINEWEB_EDU_SAMPLE_10BT, FINEWEB_EDU_URI
-from qwen35_fs2.models.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.optim import create_adamw_section
 

@@ -9,8 +9,9 @@ from fairseq2.utils.structured import ValueConverter
 from fairseq2.utils.validation import ValidationError
 
 from qwen35_fs2 import Qwen35Config, qwen35_config_from_hf
-from qwen35_fs2.models import get_qwen35_model_hub
-from qwen35_fs2.models.config import adopt_hf_architecture, check_config, tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
+from qwen35_fs2.hf.config import adopt_hf_architecture
+from qwen35_fs2.models.qwen35.config import check_config, tiny_qwen35_config
 
 # A Qwen3.5-9B config in the released vision-language layout (values from
 # docs/architecture.md), as transformers 5.x writes it.
@@ -266,7 +267,7 @@ class TestAdoptHfArchitecture:
         assert changes == [f"`layer_types` {config.get_layer_types()} -> {layer_types}"]
 
     def test_raises_error_for_a_config_of_the_other_family(self) -> None:
-        from qwen35_fs2.models.moe_config import tiny_qwen35_moe_config
+        from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 
         with pytest.raises(TypeError, match="`hf_config` must be of type `Qwen35Config`, but is of type `Qwen35MoeConfig` instead."):
             adopt_hf_architecture(tiny_qwen35_config(), tiny_qwen35_moe_config())

@@ -15,7 +15,7 @@ from fairseq2.models.utils.checkpoint import (
     create_reverse_key_map,
 )
 
-from qwen35_fs2.models.config import Qwen35Config
+from qwen35_fs2.models.qwen35.config import Qwen35Config
 
 # Keys of the text-only layout (`Qwen3_5ForCausalLM`). The released layout
 # (`Qwen3_5ForConditionalGeneration`) nests the same keys under

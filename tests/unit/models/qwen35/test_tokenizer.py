@@ -30,7 +30,7 @@ from tokenizers.models import BPE  # type: ignore[import-untyped]
 from transformers import AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from qwen35_fs2.models.tokenizer import (
+from qwen35_fs2.models.qwen35.tokenizer import (
     QWEN35_PRETOKENIZE_REGEX,
     QWEN35_TOKENIZER_ASSET,
     Qwen35Tokenizer,

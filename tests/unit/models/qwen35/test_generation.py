@@ -13,8 +13,8 @@ from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 _PROMPT_LENS = (5, 11, 8)
 

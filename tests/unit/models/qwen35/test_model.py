@@ -7,8 +7,8 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 
-from qwen35_fs2.models import Qwen35Config, create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import Qwen35Config, create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 
 

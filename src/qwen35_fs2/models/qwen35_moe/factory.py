@@ -11,11 +11,11 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import Linear, PositionEncoder
 
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
-from qwen35_fs2.models.factory import Qwen35Factory
+from qwen35_fs2.models.qwen35.factory import Qwen35Factory
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, pass_batch_layout_to_ffn
 from qwen35_fs2.nn.moe.experts import RoutedExperts
 from qwen35_fs2.nn.moe.router import TopKRouter
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 
 
 def create_qwen35_moe_model(config: Qwen35MoeConfig) -> TransformerLM:

@@ -46,7 +46,7 @@ from transformers.convert_slow_tokenizer import TikTokenConverter
 from typing_extensions import override
 
 from qwen35_fs2.cache_dir import build_dir_atomically
-from qwen35_fs2.models.config import QWEN35_FAMILY
+from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY
 
 QWEN35_TOKENIZER_ASSET: Final = "qwen35_tokenizer"
 """The name of the asset card of the offline-built Qwen3.5 tokenizer."""

@@ -7,8 +7,8 @@ import torch
 
 from fairseq2.error import StateDictError
 
-from qwen35_fs2.models import convert_qwen35_state_dict, create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 _TEXT_KEYS = {
     "model.embed_tokens.weight": "decoder_frontend.embed.weight",

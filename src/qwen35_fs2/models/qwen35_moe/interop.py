@@ -13,15 +13,15 @@ from torch import Tensor
 from fairseq2.error import StateDictError
 from fairseq2.models.utils.checkpoint import convert_state_dict
 
-from qwen35_fs2.models.interop import (
+from qwen35_fs2.models.qwen35.interop import (
     check_tied_output_weights,
     convert_hg_text_state_dict,
     convert_qwen35_state_dict,
     is_hg_state_dict,
     strip_vlm_prefix,
 )
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
-from qwen35_fs2.models.qwen3_next import (
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen3_next.interop import (
     is_qwen3_next_state_dict,
     unpack_qwen3_next_projections,
 )
@@ -69,7 +69,7 @@ def convert_qwen35_moe_state_dict(
     unknown or mis-shaped expert tensors raise a :class:`StateDictError`
     naming them. The output projection is checked and native fairseq2
     checkpoints pass through as in
-    :func:`~qwen35_fs2.models.interop.convert_qwen35_state_dict`.
+    :func:`~qwen35_fs2.models.qwen35.interop.convert_qwen35_state_dict`.
     """
     if not is_hg_state_dict(state_dict):
         return convert_qwen35_state_dict(state_dict, config)

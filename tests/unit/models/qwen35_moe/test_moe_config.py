@@ -13,10 +13,15 @@ from fairseq2.utils.validation import ValidationError
 
 from offline_hub import use_offline_hub_cache
 from qwen35_fs2 import Qwen35MoeConfig, qwen35_config_from_hf
-from qwen35_fs2.models import create_qwen35_moe_model, get_qwen35_moe_model_hub
-from qwen35_fs2.models.config import adopt_hf_architecture, check_config
+from qwen35_fs2.models.qwen35_moe import (
+    create_qwen35_moe_model,
+    get_qwen35_moe_model_hub,
+)
+from qwen35_fs2.hf.config import adopt_hf_architecture
+from qwen35_fs2.models.qwen35.config import check_config
 from qwen35_fs2.nn.moe.router import TopKRouter
-from qwen35_fs2.models.moe_config import qwen35_moe_config_from_hf, tiny_qwen35_moe_config
+from qwen35_fs2.hf.config import qwen35_moe_config_from_hf
+from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 
 # Qwen3.5-35B-A3B in the released vision-language layout (values from the
 # architecture notes, §1b), as transformers 5.x writes it.

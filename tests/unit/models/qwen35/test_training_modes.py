@@ -11,8 +11,8 @@ import torch
 from fairseq2.models.transformer_lm import TransformerLM, apply_ac_to_transformer_lm
 from fairseq2.nn import BatchLayout
 
-from qwen35_fs2.models import create_qwen35_model
-from qwen35_fs2.models.config import tiny_qwen35_config
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 _LENGTHS = [5, 64, 30]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fairseq2.models import ModelHubAccessor
 from fairseq2.models.transformer_lm import TransformerLM
 
-from qwen35_fs2.models.moe_config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
 
 get_qwen35_moe_model_hub = ModelHubAccessor(
     QWEN35_MOE_FAMILY, kls=TransformerLM, config_kls=Qwen35MoeConfig

@@ -9,12 +9,15 @@ it; it is not passed to ``register_model_family``.
 
 from __future__ import annotations
 
+from typing import Final
+
 from fairseq2.sharder import ShardSpec
 
-from qwen35_fs2.models.config import Qwen35Config
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig
+from qwen35_fs2.models.qwen35.config import Qwen35Config
 
-_LAYER = r"^decoder\.layers\.[0-9]+\."
+LAYER_PATTERN: Final = r"^decoder\.layers\.[0-9]+\."
+"""The module paths of the decoder layers, as the patterns of the specs
+begin."""
 
 
 def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
@@ -25,8 +28,7 @@ def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
     Column-sharded projections split dimension 0 of their weight, row-sharded
     ones dimension 1; ``region_boundary`` marks those whose output (column)
     or input (row) stays sharded. ``linear_attn.decay`` splits its ``A_log``
-    and ``dt_bias`` by value head and ``ffn.experts`` its stacked weights by
-    expert. ``k_proj`` and ``v_proj`` are stored split by rows
+    and ``dt_bias`` by value head. ``k_proj`` and ``v_proj`` are stored split by rows
     even where their heads are replicated for the computation (fewer
     key/value heads than ranks). The per-head norms are replicated.
     """
@@ -37,21 +39,16 @@ def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:
     specs = {
         # fmt: off
         r"^decoder_frontend\.embed$":                                   ShardSpec(dim=0),
-        _LAYER + r"self_attn\.(q_proj|k_proj|v_proj)$":                 column,
-        _LAYER + r"self_attn\.output_proj$":                            row,
-        _LAYER + r"linear_attn\.decay$":                                ShardSpec(dim=0),
-        _LAYER + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)$": column,
-        _LAYER + r"linear_attn\.conv1d$":                               ShardSpec(dim=0),
-        _LAYER + r"linear_attn\.output_proj$":                          row,
-        _LAYER + r"ffn\.(gate_proj|inner_proj)$":                       column,
-        _LAYER + r"ffn\.output_proj$":                                  row,
+        LAYER_PATTERN + r"self_attn\.(q_proj|k_proj|v_proj)$":          column,
+        LAYER_PATTERN + r"self_attn\.output_proj$":                     row,
+        LAYER_PATTERN + r"linear_attn\.decay$":                         ShardSpec(dim=0),
+        LAYER_PATTERN + r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)$": column,
+        LAYER_PATTERN + r"linear_attn\.conv1d$":                        ShardSpec(dim=0),
+        LAYER_PATTERN + r"linear_attn\.output_proj$":                   row,
+        LAYER_PATTERN + r"ffn\.(gate_proj|inner_proj)$":                column,
+        LAYER_PATTERN + r"ffn\.output_proj$":                           row,
         r"^final_proj$":                                                ShardSpec(dim=0),
         # fmt: on
     }
-
-    if isinstance(config, Qwen35MoeConfig):
-        specs[_LAYER + r"ffn\.experts$"] = ShardSpec(dim=0)
-        specs[_LAYER + r"ffn\.shared_expert\.(gate_proj|inner_proj)$"] = column
-        specs[_LAYER + r"ffn\.shared_expert\.output_proj$"] = row
 
     return specs

@@ -27,7 +27,7 @@ from fairseq2.nn import (
 )
 
 from qwen35_fs2.nn.attention import Qwen35Attention
-from qwen35_fs2.models.config import Qwen35Config, check_config
+from qwen35_fs2.models.qwen35.config import Qwen35Config, check_config
 from qwen35_fs2.nn.decoder import Qwen35Decoder
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from fairseq2.error import StateDictError
 
-from qwen35_fs2.models.config import Qwen35Config
+from qwen35_fs2.models.qwen35.config import Qwen35Config
 
 _PACKED_KEY: Final = re.compile(
     r"^(model\.layers\.[0-9]+\.linear_attn\.)(in_proj_qkvz|in_proj_ba)\.weight$"

@@ -1,9 +1,8 @@
-"""Configuration of the Qwen3.5-MoE family (and Qwen3-Next, which it loads),
-its architecture presets, and reading it from Hugging Face configs."""
+"""Configuration of the Qwen3.5-MoE family (and Qwen3-Next, which it loads)
+and its architecture presets."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -11,14 +10,7 @@ from fairseq2.runtime.config_registry import ConfigRegistrar
 from fairseq2.runtime.dependency import DependencyContainer
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.models.config import (
-    MOE_MODEL_TYPES,
-    Qwen35Config,
-    _HgConfigReader,
-    check_config,
-    get_text_config,
-    read_hf_text_fields,
-)
+from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.nn.moe.experts import ExpertDispatch
 from qwen35_fs2.nn.moe.router import RouterPrecision
 
@@ -232,90 +224,3 @@ def tiny_qwen35_moe_config() -> Qwen35MoeConfig:
             num_experts=8, top_k=2, inner_dim=32, shared_expert_inner_dim=48
         ),
     )
-
-
-def qwen35_moe_config_from_hf(hg_config: Mapping[str, object]) -> Qwen35MoeConfig:
-    """Builds a :class:`Qwen35MoeConfig` from a Hugging Face ``config.json``.
-
-    Accepts Qwen3.5-MoE in the released vision-language layout
-    (``model_type: qwen3_5_moe`` with a nested ``text_config``) and the
-    text-only layout (``qwen3_5_moe_text``), and Qwen3-Next
-    (``qwen3_next``). Settings this package does not implement raise a
-    :class:`ValueError`.
-    """
-    model_type = hg_config.get("model_type")
-
-    if model_type not in MOE_MODEL_TYPES:
-        raise ValueError(
-            f"The Hugging Face configuration must have one of the `model_type`s {MOE_MODEL_TYPES}, but has '{model_type}' instead."
-        )
-
-    if model_type == "qwen3_next":
-        text = hg_config
-    else:
-        text = get_text_config(hg_config)
-
-        text_model_type = text.get("model_type", "qwen3_5_moe_text")
-
-        if text_model_type != "qwen3_5_moe_text":
-            raise ValueError(
-                f"`text_config.model_type` must be 'qwen3_5_moe_text', but is '{text_model_type}' instead."
-            )
-
-    reader = _HgConfigReader(text)
-
-    fields = read_hf_text_fields(hg_config, text)
-
-    num_layers = fields["num_layers"]
-
-    if model_type == "qwen3_next":
-        # Qwen3-Next may interleave dense layers, and may skip renormalising.
-        if fields["pad_idx"] is None and fields["vocab_size"] > QWEN3_NEXT_ENDOFTEXT_IDX:
-            fields["pad_idx"] = QWEN3_NEXT_ENDOFTEXT_IDX
-
-        sparse_step = reader.get_int("decoder_sparse_step", default=1)
-
-        mlp_only_layers = text.get("mlp_only_layers") or []
-
-        if not isinstance(mlp_only_layers, list):
-            raise ValueError(
-                f"`mlp_only_layers` must be a list of layer indices, but is {mlp_only_layers!r} instead."
-            )
-
-        dense_layers = [
-            idx
-            for idx in range(num_layers)
-            if idx in mlp_only_layers or (idx + 1) % sparse_step != 0
-        ]
-
-        normalize_top_k = text.get("norm_topk_prob", True)
-
-        if not isinstance(normalize_top_k, bool):
-            raise ValueError(
-                f"`norm_topk_prob` must be a boolean, but is {normalize_top_k!r} instead."
-            )
-
-        ffn_inner_dim = reader.get_int("intermediate_size")
-    else:
-        # transformers' Qwen3.5-MoE has an MoE block in every layer and always
-        # renormalises; its config has no dense width.
-        dense_layers = []
-
-        normalize_top_k = True
-
-        ffn_inner_dim = Qwen35MoeConfig().ffn_inner_dim
-
-    experts = Qwen35ExpertsConfig(
-        num_experts=reader.get_int("num_experts"),
-        top_k=reader.get_int("num_experts_per_tok"),
-        inner_dim=reader.get_int("moe_intermediate_size"),
-        shared_expert_inner_dim=reader.get_int("shared_expert_intermediate_size"),
-        normalize_top_k=normalize_top_k,
-        dense_layers=dense_layers,
-    )
-
-    config = Qwen35MoeConfig(**fields, ffn_inner_dim=ffn_inner_dim, experts=experts)
-
-    check_config(config)
-
-    return config

@@ -10,9 +10,12 @@ from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDel
 
 from fairseq2.error import StateDictError
 
-from qwen35_fs2.models import convert_qwen35_moe_state_dict, create_qwen35_moe_model
-from qwen35_fs2.models.moe_config import Qwen35MoeConfig, tiny_qwen35_moe_config
-from qwen35_fs2.models.qwen3_next import unpack_qwen3_next_projections
+from qwen35_fs2.models.qwen35_moe import (
+    convert_qwen35_moe_state_dict,
+    create_qwen35_moe_model,
+)
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.models.qwen3_next.interop import unpack_qwen3_next_projections
 
 E, I, H = 8, 32, 64  # experts, expert inner dim, model dim of the tiny config
 
