@@ -10,6 +10,6 @@ from __future__ import annotations
 
 from qwen35_fs2.hf import load_hf_model as load_hf_model
 from qwen35_fs2.hf import qwen35_config_from_hf as qwen35_config_from_hf
-from qwen35_fs2.models.hf_export import save_hf_model as save_hf_model
+from qwen35_fs2.hf import save_hf_model as save_hf_model
 from qwen35_fs2.models.qwen35 import Qwen35Config as Qwen35Config
 from qwen35_fs2.models.qwen35_moe import Qwen35MoeConfig as Qwen35MoeConfig

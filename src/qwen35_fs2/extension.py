@@ -23,7 +23,7 @@ from qwen35_fs2.export_cli import (
 )
 from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
-from qwen35_fs2.models.hf_export import _Qwen35HuggingFaceConverter
+from qwen35_fs2.hf.export.save import _Qwen35HuggingFaceConverter
 from qwen35_fs2.models.qwen35.interop import convert_qwen35_state_dict
 from qwen35_fs2.models.qwen35_moe.config import (
     QWEN35_MOE_FAMILY,
@@ -33,7 +33,7 @@ from qwen35_fs2.models.qwen35_moe.config import (
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35_moe.interop import convert_qwen35_moe_state_dict
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
-from qwen35_fs2.models.sharded_family import register_qwen35_model_family
+from qwen35_fs2.models.family import register_qwen35_model_family
 from qwen35_fs2.models.qwen35.tokenizer import (
     Qwen35Tokenizer,
     Qwen35TokenizerConfig,
@@ -45,7 +45,7 @@ from qwen35_fs2.models.qwen35.tokenizer import (
 def register_qwen35(container: DependencyContainer) -> None:
     # fairseq2's family, except that recipes may load Hugging Face
     # checkpoints straight into each rank's shards (see
-    # `qwen35_fs2.models.sharded_family`).
+    # `qwen35_fs2.models.family`).
     register_qwen35_model_family(
         container,
         QWEN35_FAMILY,

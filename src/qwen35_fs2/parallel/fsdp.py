@@ -104,7 +104,7 @@ def shard_qwen35_with_fsdp2(
     fairseq2 materializes each unit in full before sharding it; here a model
     on the meta device stays there, so that ``model.to_empty(...)`` then
     allocates only this rank's shards (see
-    :mod:`qwen35_fs2.models.sharded_loading`).
+    :mod:`qwen35_fs2.hf.sharded_loading`).
     """
     if gangs.sdp.size == 1:
         raise ValueError(

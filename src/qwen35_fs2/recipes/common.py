@@ -40,7 +40,7 @@ from fairseq2.utils.validation import ValidationResult
 from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, collect_moe_statistics
-from qwen35_fs2.models.sharded_family import (
+from qwen35_fs2.models.family import (
     enable_sharded_checkpoint_loading,
     finish_sharded_checkpoint_loading,
 )

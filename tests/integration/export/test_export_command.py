@@ -26,7 +26,7 @@ import qwen35_fs2.export_cli as export_cli
 from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2.export_cli import main
-from qwen35_fs2.models.hf_export import to_hg_state_dict
+from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.config import qwen35_config_from_hf
 from qwen35_fs2.hf.config import load_hf_config
 

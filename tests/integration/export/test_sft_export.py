@@ -23,7 +23,7 @@ from export_testing import read_config
 from hf_reference import TinyQwen35Spec, hf_greedy_generate, read_safetensors_dir
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
-from qwen35_fs2.models.hf_export import to_hg_state_dict
+from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -47,7 +47,10 @@ from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetDecay
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
-from qwen35_fs2.models.sharded_loading import create_sharded_qwen35_model, load_hf_checkpoint_shards
+from qwen35_fs2.hf.sharded_loading import (
+    create_sharded_qwen35_model,
+    load_hf_checkpoint_shards,
+)
 
 TOLERANCE = 1e-5
 

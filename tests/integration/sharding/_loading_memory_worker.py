@@ -29,7 +29,10 @@ from fairseq2.gang import ProcessGroupGang, create_fsdp_gangs, create_parallel_g
 
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.models.qwen35.interop import convert_qwen35_state_dict
-from qwen35_fs2.models.sharded_loading import create_sharded_qwen35_model, load_hf_checkpoint_shards
+from qwen35_fs2.hf.sharded_loading import (
+    create_sharded_qwen35_model,
+    load_hf_checkpoint_shards,
+)
 
 
 def memory_test_config() -> Qwen35Config:

@@ -15,7 +15,7 @@ from fairseq2.models.transformer_lm import TransformerLM
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.models.hf_export import to_hg_state_dict
+from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 
 CPU = torch.device("cpu")

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from sharding_testing import create_reference_model, save_hf_checkpoint
 
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, get_qwen35_model_hub
-from qwen35_fs2.models.hf_export import build_hf_config
+from qwen35_fs2.hf.export.config import build_hf_config
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 
 from hf_reference import read_safetensors_dir
 import qwen35_fs2.export_cli as export_cli
+import qwen35_fs2.hf.export.checkpoint as export_checkpoint
 from qwen35_fs2.export_cli import (
     hand_over_fairseq2_hg_export,
     install_hg_export_failure_filter,
@@ -153,7 +154,7 @@ class TestMain:
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "keep.txt").write_text("keep")
 
-        monkeypatch.setattr(export_cli, "_load_dtype", pytest.fail)
+        monkeypatch.setattr(export_checkpoint, "_load_dtype", pytest.fail)
 
         assert main([str(run_dir), str(tmp_path / "out")]) == 1
 

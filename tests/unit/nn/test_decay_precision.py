@@ -20,7 +20,7 @@ from qwen35_fs2 import load_hf_model
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetDecay
-from qwen35_fs2.models.hf_export import save_hf_model
+from qwen35_fs2.hf.export.save import save_hf_model
 
 BF16 = torch.bfloat16
 

@@ -28,13 +28,13 @@ from qwen35_fs2.models.qwen35_moe import (
 )
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
-from qwen35_fs2.models.hf_export import lay_out_experts, to_hg_state_dict
+from qwen35_fs2.hf.export.tensors import lay_out_experts, to_hg_state_dict
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
-from qwen35_fs2.models.sharded_loading import (
+from qwen35_fs2.hf.sharded_loading import (
     create_sharded_qwen35_model,
-    index_safetensors,
     load_hf_checkpoint_shards,
 )
+from qwen35_fs2.hf.safetensors import index_safetensors
 
 _PACKABLE_KEY = re.compile(r"^(model\.layers\.[0-9]+\.linear_attn\.)in_proj_(qkv|z|b|a)\.weight$")
 

@@ -28,7 +28,7 @@ from qwen35_fs2.models.qwen35_moe import (
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.hf import qwen35_config_from_hf
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
-from qwen35_fs2.models.hf_export import (
+from qwen35_fs2.hf.export import (
     HfExportError,
     HfRepository,
     build_hf_config,
@@ -585,7 +585,7 @@ class TestWriteHfExport:
             import resource, signal, sys
             from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
             from qwen35_fs2.models.qwen35.factory import create_qwen35_model
-            from qwen35_fs2.models.hf_export import HfExportError, save_hf_model
+            from qwen35_fs2.hf.export import HfExportError, save_hf_model
 
             config = tiny_qwen35_config()
             model = create_qwen35_model(config)

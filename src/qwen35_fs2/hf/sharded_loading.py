@@ -27,11 +27,9 @@ validate the checkpoint, with their own errors, and to check the plan.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
@@ -44,365 +42,29 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.nn import Module
 
 from fairseq2.data_type import DataType, set_dtype
-from fairseq2.error import InternalError, StateDictError
+from fairseq2.error import InternalError
 from fairseq2.gang import Gangs, set_gangs
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.models.utils.checkpoint import convert_state_dict
 from fairseq2.nn import get_shard_dims
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 
+from qwen35_fs2.hf.row_plan import RowRange, plan_hf_rows, take_rows
+from qwen35_fs2.hf.safetensors import SafetensorsTensor, index_safetensors, matrix_cols, matrix_rows
 from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.models.qwen35.factory import create_qwen35_model
-from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
-from qwen35_fs2.models.qwen35.interop import (
-    _GROUPED_QKV_KEY,
-    _HG_KEY_MAP,
-    convert_qwen35_state_dict,
-    find_output_weight_keys,
-    is_hg_state_dict,
-    qkv_row_segments,
-    strip_vlm_prefix,
-    tied_output_weights_error,
-)
+from qwen35_fs2.models.qwen35.interop import find_output_weight_keys, tied_output_weights_error
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
-from qwen35_fs2.models.qwen35_moe.interop import (
-    _HG_MOE_KEY_MAP,
-    _MOE_KEY,
-    _PER_EXPERT_KEY,
-    convert_qwen35_moe_state_dict,
-)
-from qwen35_fs2.models.qwen3_next.interop import _PACKED_KEY
+from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 
 DEFAULT_READ_BUFFER_BYTES: Final = 64 * 1024 * 1024
 """The largest read of a rank when a slice cannot go straight into its
 shard (another dtype or device, or a column range)."""
 
-_SAFETENSORS_DTYPES: Final = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
 # Wrappers that insert themselves into parameter names (activation
 # checkpointing, `torch.compile`).
 _WRAPPER_NAME: Final = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")
-
-
-@final
-@dataclass(frozen=True)
-class SafetensorsTensor:
-    """Where a tensor lies in a safetensors file."""
-
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int
-    """The byte offset of its data in :attr:`file`."""
-
-    @property
-    def num_rows(self) -> int:
-        return _num_rows(self.shape)
-
-    @property
-    def num_cols(self) -> int:
-        return _num_cols(self.shape)
-
-
-def _num_rows(shape: tuple[int, ...]) -> int:
-    """The rows of ``shape`` viewed as 2-D: all dimensions but the last."""
-    return prod(shape[:-1]) if len(shape) > 1 else prod(shape)
-
-
-def _num_cols(shape: tuple[int, ...]) -> int:
-    return shape[-1] if len(shape) > 1 else 1
-
-
-def index_safetensors(
-    path: Path, files: Sequence[Path] | None = None
-) -> dict[str, SafetensorsTensor]:
-    """Reads the headers of the safetensors files of the directory ``path``
-    (only the headers: no tensor data).
-
-    :param files: The files to read; all ``*.safetensors`` files of ``path``
-        if ``None``.
-    """
-    if files is None:
-        files = sorted(path.glob("*.safetensors"))
-
-    if not files:
-        raise CorruptModelCheckpointError(
-            path, f"{path} must contain safetensors checkpoint files, but has none."
-        )
-
-    index: dict[str, SafetensorsTensor] = {}
-
-    for file in files:
-        for key, tensor in _read_safetensors_header(file).items():
-            if key in index:
-                raise CorruptModelCheckpointError(
-                    path, f"`{key}` must be in one safetensors file of {path}, but is in {index[key].file.name} and {file.name}."
-                )
-
-            index[key] = tensor
-
-    return index
-
-
-def _read_safetensors_header(file: Path) -> dict[str, SafetensorsTensor]:
-    def corrupt(reason: str) -> CorruptModelCheckpointError:
-        return CorruptModelCheckpointError(
-            file, f"{file} cannot be loaded as a safetensors checkpoint file: {reason}"
-        )
-
-    file_size = file.stat().st_size
-
-    with file.open("rb") as fp:
-        prefix = fp.read(8)
-
-        if len(prefix) != 8:
-            raise corrupt("the file is shorter than its header.")
-
-        (header_size,) = struct.unpack("<Q", prefix)
-
-        if 8 + header_size > file_size:
-            raise corrupt("the file is shorter than its header.")
-
-        try:
-            header = json.loads(fp.read(header_size))
-        except (json.JSONDecodeError, UnicodeDecodeError) as ex:
-            raise corrupt(f"its header is not valid JSON ({ex}).") from None
-
-    if not isinstance(header, dict):
-        raise corrupt("its header is not a JSON object.")
-
-    data_start = 8 + header_size
-
-    tensors = {}
-
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-
-        try:
-            dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-
-            shape = tuple(int(size) for size in entry["shape"])
-
-            begin, end = (int(offset) for offset in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise corrupt(f"the header entry of `{key}` ({entry}) is not a tensor of a supported dtype.") from None
-
-        num_bytes = prod(shape) * dtype.itemsize
-
-        if end - begin != num_bytes or data_start + end > file_size:
-            raise corrupt(f"`{key}` must take {num_bytes} bytes within the file, but takes bytes {begin} to {end} of its data.")
-
-        tensors[key] = SafetensorsTensor(file, dtype, shape, data_start + begin)
-
-    return tensors
-
-
-@final
-@dataclass(frozen=True)
-class RowRange:
-    """Rows ``[start, start + length)`` of the Hugging Face tensor ``key``,
-    viewed as 2-D (all dimensions but the last are rows)."""
-
-    key: str
-    start: int
-    length: int
-
-
-RowPlan = dict[str, list[RowRange]]
-"""Maps each fairseq2 tensor to the row ranges whose concatenation it is."""
-
-
-def plan_hf_rows(shapes: Mapping[str, tuple[int, ...]], config: Qwen35Config) -> RowPlan:
-    """Returns, for every tensor of the fairseq2 state dict of a Hugging Face
-    checkpoint whose tensors have ``shapes``, the row ranges it is made of.
-
-    Raises the converters' :class:`StateDictError` for a checkpoint that does
-    not match ``config``.
-    """
-    if not is_hg_state_dict(shapes):
-        raise StateDictError(
-            "The checkpoint must be a Hugging Face Qwen3.5 checkpoint (with `model.embed_tokens.weight` or `model.language_model.embed_tokens.weight`), but is not."
-        )
-
-    _check_with_converter(shapes, config)
-
-    # Text-only layout keys -> the rows of the checkpoint's tensors.
-    plan: RowPlan = {
-        text_key: [RowRange(key, 0, _num_rows(shapes[key]))]
-        for text_key, key in strip_vlm_prefix({key: key for key in shapes}).items()
-        if isinstance(key, str)
-    }
-
-    plan = _unpack_qwen3_next_rows(plan, config)
-
-    moe_plan: RowPlan = {}
-
-    if isinstance(config, Qwen35MoeConfig):
-        for key in list(plan):
-            match = _MOE_KEY.match(key)
-
-            if match is not None and config.is_moe_layer(int(match.group(1))):
-                moe_plan[key] = plan.pop(key)
-
-        moe_plan = _fuse_expert_rows(moe_plan, config)
-
-    if config.tied_embeddings:
-        plan.pop("lm_head.weight", None)
-
-    fs2_plan: RowPlan = {}
-
-    for key_map, part in ((_HG_KEY_MAP, plan), (_HG_MOE_KEY_MAP, moe_plan)):
-        for key, ranges in convert_state_dict(dict(part), key_map).items():
-            if not isinstance(ranges, list):
-                raise InternalError(f"The row plan of `{key}` is of type `{type(ranges)}`.")
-
-            fs2_plan[key] = ranges
-
-    for key, ranges in fs2_plan.items():
-        if _GROUPED_QKV_KEY.match(key):
-            fs2_plan[key] = [r for start, length in qkv_row_segments(config) for r in _take_rows(ranges, start, length)]
-
-    return fs2_plan
-
-
-def _check_with_converter(shapes: Mapping[str, tuple[int, ...]], config: Qwen35Config) -> None:
-    """Runs the state-dict converter on meta tensors of ``shapes``: it raises
-    its errors for keys and shapes that do not match ``config``."""
-    state_dict: dict[str, object] = {
-        key: torch.empty(shape, device="meta") for key, shape in shapes.items()
-    }
-
-    if isinstance(config, Qwen35MoeConfig):
-        convert_qwen35_moe_state_dict(state_dict, config)
-    else:
-        convert_qwen35_state_dict(state_dict, config)
-
-
-def _take_rows(ranges: list[RowRange], start: int, length: int) -> list[RowRange]:
-    """Returns rows ``[start, start + length)`` of the concatenation of
-    ``ranges``."""
-    taken = []
-
-    offset = 0
-
-    for r in ranges:
-        begin = max(start, offset)
-        end = min(start + length, offset + r.length)
-
-        if begin < end:
-            taken.append(RowRange(r.key, r.start + begin - offset, end - begin))
-
-        offset += r.length
-
-    if sum(r.length for r in taken) != length:
-        raise InternalError(f"Rows {start} to {start + length} are out of the {offset} rows of {ranges}.")
-
-    return taken
-
-
-def _per_group_rows(ranges: list[RowRange], num_groups: int, sizes: list[int]) -> list[list[RowRange]]:
-    """Splits the rows of each of ``num_groups`` consecutive groups into
-    parts of ``sizes`` and concatenates each part over the groups (the rows
-    of :func:`qwen35_fs2.models.qwen3_next.interop._split_per_key_head`)."""
-    group_size = sum(sizes)
-
-    parts: list[list[RowRange]] = [[] for _ in sizes]
-
-    for group_idx in range(num_groups):
-        offset = group_idx * group_size
-
-        for part, size in zip(parts, sizes):
-            part.extend(_take_rows(ranges, offset, size))
-
-            offset += size
-
-    return parts
-
-
-def _unpack_qwen3_next_rows(plan: RowPlan, config: Qwen35Config) -> RowPlan:
-    """The rows of :func:`qwen35_fs2.models.qwen3_next.interop.unpack_qwen3_next_projections`."""
-    num_key_heads = config.num_linear_key_heads
-
-    ratio = config.num_linear_value_heads // num_key_heads
-
-    value_group_dim = ratio * config.linear_value_head_dim
-
-    key_head_dim = config.linear_key_head_dim
-
-    unpacked: RowPlan = {}
-
-    for key, ranges in plan.items():
-        match = _PACKED_KEY.match(key)
-
-        if match is None:
-            unpacked[key] = ranges
-
-            continue
-
-        prefix, name = match.groups()
-
-        if name == "in_proj_qkvz":
-            q, k, v, z = _per_group_rows(ranges, num_key_heads, [key_head_dim, key_head_dim, value_group_dim, value_group_dim])
-
-            unpacked[prefix + "in_proj_qkv.weight"] = q + k + v
-            unpacked[prefix + "in_proj_z.weight"] = z
-        else:
-            b, a = _per_group_rows(ranges, num_key_heads, [ratio, ratio])
-
-            unpacked[prefix + "in_proj_b.weight"] = b
-            unpacked[prefix + "in_proj_a.weight"] = a
-
-    return unpacked
-
-
-def _fuse_expert_rows(plan: RowPlan, config: Qwen35MoeConfig) -> RowPlan:
-    """The rows of the fused expert tensors of
-    :func:`qwen35_fs2.models.qwen35_moe.interop.convert_qwen35_moe_state_dict`:
-    ``gate_up_proj`` :math:`(E, 2I, M)` viewed as :math:`(E·2I, M)` is, per
-    expert, its gate then its up rows; ``down_proj`` its down rows."""
-    fused: RowPlan = {}
-
-    # layer prefix -> {(expert index, projection): rows}
-    per_expert: dict[str, dict[tuple[int, str], list[RowRange]]] = {}
-
-    for key, ranges in plan.items():
-        match = _PER_EXPERT_KEY.match(key)
-
-        if match is None:
-            fused[key] = ranges
-
-            continue
-
-        layer_idx, expert_idx, projection = match.groups()
-
-        prefix = f"model.layers.{layer_idx}.mlp.experts."
-
-        per_expert.setdefault(prefix, {})[(int(expert_idx), projection)] = ranges
-
-    for prefix, tensors in per_expert.items():
-        experts = range(config.experts.num_experts)
-
-        fused[prefix + "gate_up_proj"] = [
-            r for e in experts for projection in ("gate_proj", "up_proj") for r in tensors[(e, projection)]
-        ]
-
-        fused[prefix + "down_proj"] = [r for e in experts for r in tensors[(e, "down_proj")]]
-
-    return fused
 
 
 @final
@@ -476,7 +138,7 @@ def load_hf_checkpoint_shards(
 
             offset = 0
 
-            for r in _take_rows(plan[name], box.row_start, box.num_rows):
+            for r in take_rows(plan[name], box.row_start, box.num_rows):
                 reader.read(r, box.col_start, box.num_cols, target[offset : offset + r.length])
 
                 offset += r.length
@@ -559,7 +221,7 @@ def _local_box(param: Tensor, tp_dim: int | None, gangs: Gangs) -> tuple[Tensor,
     if param.ndim == 2:
         col_start, num_cols = offsets[1], shape[1]
     else:
-        col_start, num_cols = 0, _num_cols(tuple(full_shape))
+        col_start, num_cols = 0, matrix_cols(tuple(full_shape))
 
     box = _LocalBox(offsets[0] * inner, shape[0] * inner, col_start, num_cols)
 
@@ -575,7 +237,7 @@ def _check_plan_shape(
 
     num_cols = {index[r.key].num_cols for r in ranges}
 
-    if num_rows != _num_rows(shape) or num_cols != {_num_cols(shape)}:
+    if num_rows != matrix_rows(shape) or num_cols != {matrix_cols(shape)}:
         keys = ", ".join(dict.fromkeys(r.key for r in ranges))
 
         raise CorruptModelCheckpointError(

@@ -10,7 +10,7 @@ Hugging Face checkpoints into each rank's shards instead:
    meta device, on every rank, and remember the checkpoint;
 2. ``setup_model`` applies layerwise activation checkpointing and FSDP2 as
    the trainer section asks, allocates the rank's shards and reads them
-   (:mod:`qwen35_fs2.models.sharded_loading`);
+   (:mod:`qwen35_fs2.hf.sharded_loading`);
 3. fairseq2 then finds the model sharded: the families' activation
    checkpointing and FSDP appliers leave it as it is.
 
@@ -58,7 +58,8 @@ from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.hf.config import adopt_hf_architecture, qwen35_config_from_hf
 from qwen35_fs2.hf.config import find_checkpoint_hf_config, load_hf_config
 from qwen35_fs2.models.qwen35.interop import is_hg_state_dict
-from qwen35_fs2.models.sharded_loading import allocate_shards, index_safetensors, load_hf_checkpoint_shards
+from qwen35_fs2.hf.sharded_loading import allocate_shards, load_hf_checkpoint_shards
+from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 
 

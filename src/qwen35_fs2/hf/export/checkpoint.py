@@ -1,0 +1,538 @@
+"""Exporting the checkpoints of training runs, Hugging Face directories and
+asset cards: finding the checkpoint, its configuration and the base it was
+trained from, then exporting it (what ``fairseq2 lm export_hf`` runs)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, final
+
+import torch
+import yaml
+
+from fairseq2.assets import AssetCard, AssetStore
+from fairseq2.assets.download_manager import get_asset_download_manager
+from fairseq2.data_type import DataType
+from fairseq2.device import CPU
+from fairseq2.logging import log
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
+from fairseq2.models import ModelFamily, ModelHub
+from fairseq2.runtime.dependency import get_dependency_resolver
+
+from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.hf.export.plan import plan_hf_export
+from qwen35_fs2.hf.export.repository import HfRepository
+from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
+from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
+from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
+from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
+
+EXPORTABLE_FAMILIES: Final = (QWEN35_FAMILY, QWEN35_MOE_FAMILY)
+"""The model families whose checkpoints this package exports."""
+
+_STEP_DIR: Final = re.compile(r"step_([0-9]+)")
+
+# The cards fairseq2 makes of the steps of a checkpoint directory.
+_FAIRSEQ2_CHECKPOINT_CARD: Final = re.compile(
+    r"checkpoint_step_[0-9]+|last_checkpoint|best_checkpoint(_[0-9]+)?"
+)
+
+
+class CheckpointError(Exception):
+    """Raised when ``CHECKPOINT`` or ``--base`` cannot be found or read."""
+
+
+@final
+@dataclass(frozen=True)
+class _Source:
+    """A checkpoint to export and the base it was trained from."""
+
+    description: str
+
+    family: ModelFamily
+
+    config: Qwen35Config
+
+    path: Path
+    """The checkpoint: a fairseq2 ``model`` directory or a Hugging Face one."""
+
+    default_base: Path | None
+
+    default_tokenizer: Path | None = None
+    """The tokenizer directory the run trained with, for exports without a
+    base."""
+
+
+def export_checkpoint(
+    checkpoint: str,
+    out_dir: Path,
+    *,
+    step: int | None = None,
+    base: str | None = None,
+    no_base: bool = False,
+    tokenizer: str | None = None,
+    dtype: DataType | None = None,
+    text_only: bool = False,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    force: bool = False,
+) -> None:
+    """Exports ``checkpoint`` as a Hugging Face repository at ``out_dir``:
+    what ``fairseq2 lm export_hf`` does (see :mod:`qwen35_fs2.cli.export_hf`
+    for the meaning of each argument).
+
+    :raises CheckpointError: ``checkpoint``, ``base`` or ``tokenizer`` cannot
+        be found or read.
+    :raises HfExportError: the export cannot be made; nothing is written.
+    """
+    source = _resolve_source(checkpoint, step)
+
+    if no_base:
+        base_path = None
+    elif base is not None:
+        base_path = _resolve_base(base)
+    else:
+        base_path = source.default_base
+
+    base_repo = None if base_path is None else HfRepository.open(base_path)
+
+    if base_repo is not None:
+        if tokenizer is not None:
+            raise CheckpointError(
+                "`--tokenizer` is for exports without a base model; the base's tokenizer is carried over."
+            )
+
+        tokenizer_dir = None
+    elif tokenizer is not None:
+        tokenizer_dir = _resolve_tokenizer_dir(tokenizer)
+    else:
+        tokenizer_dir = source.default_tokenizer
+
+    check_output_dir(out_dir, base=base_repo, force=force)
+
+    if base_repo is None:
+        log.info("Exporting {} without a base model: text-only, with the language model alone.", source.description)  # fmt: skip
+    else:
+        log.info("Exporting {} with {} as base model.", source.description, base_repo.path)
+
+    load_dtype = _load_dtype(source, base_repo, dtype)
+
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, _asset_store()
+    )
+
+    try:
+        model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
+    except CorruptModelCheckpointError as ex:
+        # fairseq2 keeps the details (which keys, which shapes) in the cause.
+        cause = "" if ex.__cause__ is None else f" {ex.__cause__}"
+
+        raise CheckpointError(f"{ex}{cause}") from ex
+
+    plan = plan_hf_export(
+        model.state_dict(),
+        source.config,
+        base=base_repo,
+        dtype=dtype,
+        text_only=text_only,
+        tokenizer_dir=tokenizer_dir,
+    )
+
+    write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)
+
+    log.info("Hugging Face model written to {}.", out_dir)
+
+
+def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | None) -> DataType:
+    """Returns the dtype to load the checkpoint in: the export's, when all of
+    its language-model tensors share one, else float32, which holds every
+    export dtype exactly."""
+    if dtype is not None:
+        return dtype
+
+    if base is not None:
+        dtypes = {
+            entry.dtype
+            for key, entry in base.tensors.items()
+            if not key.startswith(("model.visual.", "mtp.")) and entry.dtype.is_floating_point
+        }
+
+        return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, _asset_store()
+    )
+
+    for _, tensor in hub.iter_checkpoint(source.path, source.config, mmap=True):
+        if tensor.dtype.is_floating_point:
+            return tensor.dtype
+
+    return torch.float32
+
+
+def _resolve_source(checkpoint: str, step: int | None) -> _Source:
+    path = Path(checkpoint)
+
+    if path.is_dir():
+        if (path / "checkpoints" / "model.yaml").is_file():
+            return _training_source(path / "checkpoints", step)
+
+        # The recipes put a run into a sweep directory (`ws_1.<hash>`) of the
+        # output directory they are given.
+        sweep_dirs = sorted(p.parent.parent for p in path.glob("*/checkpoints/model.yaml"))
+
+        if len(sweep_dirs) > 1:
+            raise CheckpointError(
+                f"CHECKPOINT must hold one training run, but {path} holds several: {', '.join(d.name for d in sweep_dirs)}. Pass one of them."
+            )
+
+        if sweep_dirs:
+            return _training_source(sweep_dirs[0] / "checkpoints", step)
+
+        if (path / "model.yaml").is_file():
+            return _training_source(path, step)
+
+        match = _STEP_DIR.fullmatch(path.name)
+
+        if match is not None and (path.parent / "model.yaml").is_file():
+            if step is not None and step != int(match[1]):
+                raise CheckpointError(
+                    f"`--step` must be the step of {path} ({match[1]}) or be omitted, but is {step} instead."
+                )
+
+            return _training_source(path.parent, int(match[1]))
+
+        if (path / "config.json").is_file():
+            _check_no_step(step, path)
+
+            return _hf_source(path)
+
+        raise CheckpointError(
+            f"CHECKPOINT must be a fairseq2 training output directory, its checkpoints or step_N directory, or a Hugging Face model directory, but {path} is none of these (it has no checkpoints/model.yaml, model.yaml or config.json)."
+        )
+
+    if path.exists():
+        raise CheckpointError(f"CHECKPOINT must be a directory or an asset card name, but {path} is a file.")
+
+    card = _asset_store().maybe_retrieve_card(checkpoint)
+
+    if card is None:
+        raise CheckpointError(
+            f"CHECKPOINT must be an existing directory or a known asset card name, but '{checkpoint}' is neither."
+        )
+
+    _check_no_step(step, checkpoint)
+
+    return _card_source(card)
+
+
+def _check_no_step(step: int | None, checkpoint: object) -> None:
+    if step is not None:
+        raise CheckpointError(
+            f"`--step` applies to fairseq2 training checkpoints only, but {checkpoint} is not one."
+        )
+
+
+def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
+    steps = sorted(
+        int(match[1])
+        for child in checkpoint_dir.iterdir()
+        if (match := _STEP_DIR.fullmatch(child.name)) and (child / "model").is_dir()
+    )
+
+    if not steps:
+        raise CheckpointError(
+            f"The checkpoint directory {checkpoint_dir} must hold at least one checkpoint (a step_N/model directory), but has none."
+        )
+
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointError(
+            f"`--step` must be a step saved in {checkpoint_dir} ({', '.join(map(str, steps))}), but is {step} instead."
+        )
+
+    metadata_file = checkpoint_dir / "model.yaml"
+
+    try:
+        metadata = yaml.safe_load(metadata_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as ex:
+        raise CheckpointError(f"{metadata_file} cannot be read: {ex}") from None
+
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{metadata_file} must hold a mapping, but does not.")
+
+    family = _get_family(metadata.get("model_family"), str(metadata_file))
+
+    model_dir = checkpoint_dir / f"step_{step}" / "model"
+
+    # The card fairseq2 itself makes of a checkpoint (`checkpoint_step_N`),
+    # so that the config is read and validated the way training wrote it.
+    card = AssetCard(
+        f"checkpoint_step_{step}",
+        {
+            "name": f"checkpoint_step_{step}",
+            "model_family": family.name,
+            "model_config": metadata.get("model_config"),
+            "checkpoint": str(model_dir),
+        },
+    )
+
+    config = _get_config(family, card)
+
+    run_dir = checkpoint_dir.parent
+
+    default_base = _run_base(run_dir) if (run_dir / "config.yaml").is_file() else None
+
+    if default_base is not None:
+        log.info("The run in {} started from {}.", run_dir, default_base)
+
+    default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
+
+    return _Source(
+        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer
+    )
+
+
+def _hf_source(path: Path) -> _Source:
+    try:
+        config = qwen35_config_from_hf(load_hf_config(path))
+    except (FileNotFoundError, ValueError) as ex:
+        raise CheckpointError(f"{path} is not a Qwen3.5 Hugging Face model: {ex}") from None
+
+    family_name = _family_name_of(config)
+
+    family = _get_family(family_name, str(path))
+
+    return _Source(str(path), family, config, path, path)
+
+
+def _card_source(card: AssetCard) -> _Source:
+    family_field = card.maybe_get_field("model_family")
+
+    family = _get_family(
+        None if family_field is None else family_field.as_(str), f"the {card.name} asset card"
+    )
+
+    config = _get_config(family, card)
+
+    path = _download_checkpoint(card)
+
+    default_base = path if (path / "config.json").is_file() else None
+
+    return _Source(f"the {card.name} model", family, config, path, default_base)
+
+
+def _family_name_of(config: Qwen35Config) -> str:
+    return QWEN35_MOE_FAMILY if isinstance(config, Qwen35MoeConfig) else QWEN35_FAMILY
+
+
+def _asset_store() -> AssetStore:
+    return get_dependency_resolver().resolve(AssetStore)  # type: ignore[type-abstract]
+
+
+def _get_family(name: object, where: str) -> ModelFamily:
+    if name not in EXPORTABLE_FAMILIES:
+        raise CheckpointError(
+            f"The model family of {where} must be one of {', '.join(EXPORTABLE_FAMILIES)}, but is {name!r} instead."
+        )
+
+    family = get_dependency_resolver().maybe_resolve(ModelFamily, key=name)  # type: ignore[type-abstract]
+
+    if family is None:
+        raise CheckpointError(f"The {name} model family is not registered; is qwen35-fs2 installed?")
+
+    return family
+
+
+def _get_config(family: ModelFamily, card: AssetCard) -> Qwen35Config:
+    try:
+        config = family.get_model_config(card)
+    except Exception as ex:
+        raise CheckpointError(f"The model configuration of {card.name} cannot be read: {ex}") from ex
+
+    if not isinstance(config, Qwen35Config):
+        raise CheckpointError(
+            f"The configuration of {card.name} must be a `Qwen35Config`, but is a `{type(config).__name__}` instead."
+        )
+
+    return config
+
+
+def _download_checkpoint(card: AssetCard) -> Path:
+    """Returns the local directory of the ``checkpoint`` of ``card``,
+    downloading it if needed."""
+    try:
+        uri = card.field("checkpoint").as_uri()
+
+        if uri.scheme == "file":
+            path = uri.to_path()
+        else:
+            path = get_asset_download_manager().download_model(uri)
+    except Exception as ex:
+        raise CheckpointError(f"The checkpoint of the {card.name} asset card cannot be found: {ex}") from ex
+
+    if not path.is_dir():
+        raise CheckpointError(
+            f"The checkpoint of the {card.name} asset card must be a directory, but {path} is not."
+        )
+
+    return path
+
+
+def _resolve_base(base: str) -> Path:
+    path = Path(base)
+
+    if path.is_dir():
+        return path
+
+    if path.exists():
+        raise CheckpointError(f"`--base` must be a directory or an asset card name, but {path} is a file.")
+
+    card = _asset_store().maybe_retrieve_card(base)
+
+    if card is None:
+        raise CheckpointError(
+            f"`--base` must be an existing Hugging Face model directory or a known asset card name, but '{base}' is neither."
+        )
+
+    path = _download_checkpoint(card)
+
+    if not (path / "config.json").is_file():
+        raise CheckpointError(
+            f"`--base` must be a Hugging Face model, but the checkpoint of the {card.name} asset card ({path}) has no config.json."
+        )
+
+    return path
+
+
+def _resolve_tokenizer_dir(tokenizer: str) -> Path:
+    """Returns the Hugging Face tokenizer directory named by ``--tokenizer``:
+    a directory or a tokenizer asset card."""
+    path = Path(tokenizer)
+
+    if path.is_dir():
+        return path
+
+    card = _asset_store().maybe_retrieve_card(tokenizer)
+
+    if card is None or not card.has_field("tokenizer"):
+        raise CheckpointError(
+            f"`--tokenizer` must be a tokenizer directory or the name of a tokenizer asset card, but '{tokenizer}' is neither."
+        )
+
+    return _tokenizer_dir_of_card(card)
+
+
+def _tokenizer_dir_of_card(card: AssetCard) -> Path:
+    if card.name == QWEN35_TOKENIZER_ASSET:
+        # Built offline on first use.
+        return get_qwen35_tokenizer_dir()
+
+    try:
+        uri = card.field("tokenizer").as_uri()
+
+        if uri.scheme == "file":
+            path = uri.to_path()
+        else:
+            path = get_asset_download_manager().download_tokenizer(uri)
+    except Exception as ex:
+        raise CheckpointError(f"The tokenizer of the {card.name} asset card cannot be found: {ex}") from ex
+
+    return path if path.is_dir() else path.parent
+
+
+def _run_tokenizer_dir(run_dir: Path) -> Path | None:
+    """Returns the tokenizer directory a training run used, as its
+    ``config.yaml`` records it; ``None`` if it cannot be told."""
+    try:
+        run_config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return None
+
+    section = run_config.get("tokenizer") if isinstance(run_config, dict) else None
+
+    if not isinstance(section, dict):
+        return None
+
+    path = section.get("path")
+
+    if isinstance(path, str) and Path(path).is_dir():
+        return Path(path)
+
+    name = section.get("name")
+
+    card = _asset_store().maybe_retrieve_card(name) if isinstance(name, str) else None
+
+    if card is None or not card.has_field("tokenizer"):
+        return None
+
+    return _tokenizer_dir_of_card(card)
+
+
+def _run_base(run_dir: Path) -> Path | None:
+    """Returns the Hugging Face model a training run started from, as its
+    ``config.yaml`` records it, following runs that continued an earlier
+    run's checkpoint; ``None`` if it started from anything else."""
+    config_file = run_dir / "config.yaml"
+
+    try:
+        run_config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as ex:
+        raise CheckpointError(f"{config_file} cannot be read: {ex}") from None
+
+    if not isinstance(run_config, dict):
+        raise CheckpointError(f"{config_file} must hold a recipe configuration, but does not.")
+
+    model_section = run_config.get("model")
+
+    if not isinstance(model_section, dict):
+        return None
+
+    model_path = model_section.get("path")
+
+    if model_path is not None:
+        path = Path(model_path)
+
+        if not path.exists():
+            raise CheckpointError(
+                f"The run in {run_dir} started from {path}, whose Hugging Face files the export carries over, but it does not exist anymore. Pass `--base DIR` or `--no-base`."
+            )
+
+        return path if (path / "config.json").is_file() else None
+
+    name = model_section.get("name")
+
+    if not isinstance(name, str):
+        return None
+
+    card = _asset_store().maybe_retrieve_card(name)
+
+    if card is None:
+        # The `checkpoint_step_N` cards of `common.assets.prev_checkpoint_dir`.
+        assets = (run_config.get("common") or {}).get("assets") or {}
+
+        prev_checkpoint_dir = assets.get("prev_checkpoint_dir")
+
+        if prev_checkpoint_dir is not None and _FAIRSEQ2_CHECKPOINT_CARD.fullmatch(name):
+            prev_run_dir = Path(prev_checkpoint_dir).parent
+
+            if (prev_run_dir / "config.yaml").is_file():
+                return _run_base(prev_run_dir)
+
+        raise CheckpointError(
+            f"The run in {run_dir} started from the {name} model, which is not a known asset card here, so the Hugging Face model to carry over is unknown. Pass `--base DIR` or `--no-base`."
+        )
+
+    if not card.has_field("checkpoint"):
+        return None
+
+    try:
+        path = _download_checkpoint(card)
+    except CheckpointError as ex:
+        raise CheckpointError(
+            f"The run in {run_dir} started from the {name} model, whose Hugging Face files the export carries over, but they cannot be found: {ex} Pass `--base DIR` or `--no-base`."
+        ) from None
+
+    return path if (path / "config.json").is_file() else None

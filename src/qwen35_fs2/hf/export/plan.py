@@ -1,0 +1,418 @@
+"""Planning an export: the ``config.json``, the tensors (the model's, and
+what is carried over from the base) and the files of the repository to
+write, checked against the base before anything is written."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, final
+
+import torch
+from torch import Tensor
+
+from fairseq2.data_type import DataType
+
+from qwen35_fs2.hf.config import qwen35_config_from_hf
+from qwen35_fs2.hf.export.config import build_hf_config
+from qwen35_fs2.hf.export.repository import EXPORT_DTYPES, VLM_TEXT_PREFIX, HfExportError, HfRepository, numel
+from qwen35_fs2.hf.export.tensors import lay_out_experts, to_hg_state_dict
+from qwen35_fs2.hf.safetensors import SafetensorsTensor
+from qwen35_fs2.models.qwen35.config import Qwen35Config
+from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
+
+_VISUAL_KEY: Final = re.compile(r"^model\.visual\.")
+
+_MTP_KEY: Final = re.compile(r"^mtp\.")
+
+_MTP_LAYER_KEY: Final = re.compile(r"^mtp\.layers\.([0-9]+)\.")
+
+# Files of a base repository that an export carries over: generation
+# defaults, tokenizer, chat template and licence. The processor configs
+# belong to the vision tower and are left out of text-only exports. The model
+# card (README.md) describes the base model, not the fine-tuned one.
+_COPIED_FILES: Final = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "LICENSE",
+    "LICENSE.txt",
+    "NOTICE",
+)
+
+_VISION_FILES: Final = (
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+)
+
+# The fields of `Qwen35Config` that decide tensor shapes and the layer
+# structure, with their Hugging Face names; a base must agree on all of them.
+_ARCHITECTURE_FIELDS: Final = (
+    ("model_dim", "hidden_size"),
+    ("vocab_size", "vocab_size"),
+    ("tied_embeddings", "tie_word_embeddings"),
+    ("num_layers", "num_hidden_layers"),
+    ("num_attn_heads", "num_attention_heads"),
+    ("num_key_value_heads", "num_key_value_heads"),
+    ("head_dim", "head_dim"),
+    ("num_linear_key_heads", "linear_num_key_heads"),
+    ("num_linear_value_heads", "linear_num_value_heads"),
+    ("linear_key_head_dim", "linear_key_head_dim"),
+    ("linear_value_head_dim", "linear_value_head_dim"),
+    ("linear_conv_kernel_size", "linear_conv_kernel_dim"),
+    ("ffn_inner_dim", "intermediate_size"),
+)
+
+_MOE_ARCHITECTURE_FIELDS: Final = (
+    ("num_experts", "num_experts"),
+    ("top_k", "num_experts_per_tok"),
+    ("inner_dim", "moe_intermediate_size"),
+    ("shared_expert_inner_dim", "shared_expert_intermediate_size"),
+)
+
+
+@final
+@dataclass(frozen=True)
+class _PlannedTensor:
+    """A tensor of the export: taken from the model or copied from the base."""
+
+    source: Tensor | SafetensorsTensor
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        return numel(self.shape) * self.dtype.itemsize
+
+
+@final
+@dataclass(frozen=True)
+class HfExportPlan:
+    """Everything an export writes, before any of it is written."""
+
+    config: dict[str, object]
+    """The ``config.json`` document."""
+
+    tensors: dict[str, _PlannedTensor]
+
+    copied_files: list[Path]
+    """Files of the base repository (or tokenizer directory) that are copied
+    as they are."""
+
+    base: HfRepository | None
+
+    generation_config: dict[str, object] | None = None
+    """The ``generation_config.json`` document of an export that has no base
+    to copy it from."""
+
+
+def plan_hf_export(
+    state_dict: Mapping[str, Tensor],
+    config: Qwen35Config,
+    *,
+    base: HfRepository | None = None,
+    dtype: DataType | None = None,
+    text_only: bool = False,
+    tokenizer_dir: Path | None = None,
+) -> HfExportPlan:
+    """Decides the config, tensors and files of an export.
+
+    :param base: The Hugging Face repository the model was trained from. Its
+        layout, expert layout, dtype, extra config keys, vision tower, MTP
+        head, tokenizer and generation config are carried over; the model must
+        have its architecture.
+    :param dtype: The dtype of every tensor. If ``None``, each tensor keeps
+        the dtype it has in ``base`` (in the model without a base).
+    :param text_only: If ``True``, writes ``Qwen3_5ForCausalLM`` without the
+        vision tower. Implied without a base, which has no tower to carry.
+    :param tokenizer_dir: Without a base (a model trained from scratch), the
+        Hugging Face tokenizer directory the model was trained with: its files
+        are copied and the generation config ends text with its end tokens,
+        so transformers can tokenize and stop. Ignored with a base, whose
+        tokenizer is carried over.
+    """
+    _check_exportable(config)
+
+    _check_tied_embeddings(state_dict, config)
+
+    hg_state_dict = to_hg_state_dict(state_dict, config)
+
+    is_vlm = base is not None and base.is_vlm and not text_only
+
+    expert_layout = base.expert_layout if base is not None else None
+
+    hg_state_dict = lay_out_experts(hg_state_dict, expert_layout or "per_expert")
+
+    if base is not None and config.tied_embeddings:
+        # Some tied checkpoints store their (identical) output weights too.
+        lm_head_key = "lm_head.weight"
+
+        if lm_head_key in base.tensors:
+            hg_state_dict[lm_head_key] = hg_state_dict["model.embed_tokens.weight"]
+
+    if is_vlm:
+        hg_state_dict = {_to_vlm_key(k): v for k, v in hg_state_dict.items()}
+
+    tensors: dict[str, _PlannedTensor] = {}
+
+    for key, value in hg_state_dict.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(
+                f"`state_dict[{key}]` must be of type `{Tensor}`, but is of type `{type(value)}` instead."
+            )
+
+        tensors[key] = _PlannedTensor(value, value.dtype, tuple(value.shape))
+
+    # The base's entry of each tensor of the export.
+    base_entries: dict[str, SafetensorsTensor] = {}
+
+    if base is not None:
+        _check_architecture(base, config)
+
+        base_entries = _match_base_tensors(tensors, base, is_vlm)
+
+        for key, entry in base.tensors.items():
+            if _MTP_KEY.match(key) or (is_vlm and _VISUAL_KEY.match(key)):
+                tensors[key] = _PlannedTensor(entry, entry.dtype, entry.shape)
+
+                base_entries[key] = entry
+
+    if dtype is not None:
+        if dtype not in EXPORT_DTYPES.values():
+            raise ValueError(
+                f"`dtype` must be one of {', '.join(str(d) for d in EXPORT_DTYPES.values())}, but is {dtype} instead."
+            )
+
+        config_dtype = dtype
+    elif base is not None:
+        config_dtype = base.dtype
+    else:
+        config_dtype = _dominant_dtype(tensors.values())
+
+    for key, tensor in tensors.items():
+        if not tensor.dtype.is_floating_point:
+            continue
+
+        if dtype is not None:
+            target_dtype = dtype
+        elif base is not None:
+            target_dtype = base_entries[key].dtype
+        else:
+            target_dtype = tensor.dtype
+
+        tensors[key] = _PlannedTensor(tensor.source, target_dtype, tensor.shape)
+
+    mtp_layers = {int(m[1]) for k in tensors if (m := _MTP_LAYER_KEY.match(k))}
+
+    doc = build_hf_config(
+        config,
+        base=base,
+        text_only=not is_vlm,
+        dtype=config_dtype,
+        num_mtp_layers=len(mtp_layers),
+    )
+
+    generation_config = None
+
+    if base is not None:
+        copied_files = _files_to_copy(base.path, vision=is_vlm)
+    elif tokenizer_dir is not None:
+        # Ours replaces the tokenizer's generation defaults, if it has any.
+        copied_files = [
+            f for f in _files_to_copy(tokenizer_dir, vision=False) if f.name != "generation_config.json"
+        ]
+
+        generation_config = _tokenizer_generation_config(tokenizer_dir)
+    else:
+        copied_files = []
+
+    return HfExportPlan(doc, tensors, copied_files, base, generation_config)
+
+
+def _tokenizer_generation_config(tokenizer_dir: Path) -> dict[str, object]:
+    """Returns generation defaults that end text where the tokenizer does:
+    at its EOS token and at ``<|endoftext|>``, as the released models'."""
+
+    def read(name: str) -> dict[str, object]:
+        file = tokenizer_dir / name
+
+        try:
+            document = json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as ex:
+            raise HfExportError(f"{file} must be a readable JSON file of the tokenizer, but cannot be read: {ex}") from None
+
+        if not isinstance(document, dict):
+            raise HfExportError(f"{file} must hold a JSON object, but does not.")
+
+        return document
+
+    tokenizer_config = read("tokenizer_config.json")
+
+    added_tokens = read("tokenizer.json").get("added_tokens") or []
+
+    ids = {t["content"]: t["id"] for t in added_tokens if isinstance(t, dict)}  # type: ignore[union-attr]
+
+    def token_id(token: object) -> int | None:
+        if isinstance(token, dict):  # {"content": ..., ...}
+            token = token.get("content")
+
+        return ids.get(token) if isinstance(token, str) else None
+
+    eos_ids = [i for i in (token_id(tokenizer_config.get("eos_token")), ids.get("<|endoftext|>")) if i is not None]
+
+    return {
+        "bos_token_id": token_id(tokenizer_config.get("bos_token")),
+        "eos_token_id": list(dict.fromkeys(eos_ids)),
+        "pad_token_id": token_id(tokenizer_config.get("pad_token")),
+    }
+
+
+def _check_exportable(config: Qwen35Config) -> None:
+    """Rejects what transformers' Qwen3.5 cannot express."""
+    if not isinstance(config, Qwen35MoeConfig):
+        return
+
+    if config.experts.dense_layers:
+        raise HfExportError(
+            f"`experts.dense_layers` must be empty for a Qwen3.5-MoE export (transformers has an MoE block in every layer), but is {config.experts.dense_layers} instead."
+        )
+
+    if not config.experts.normalize_top_k:
+        raise HfExportError(
+            "`experts.normalize_top_k` must be True for a Qwen3.5-MoE export (transformers always renormalises the top-k weights), but is False instead."
+        )
+
+
+def _check_tied_embeddings(state_dict: Mapping[str, Tensor], config: Qwen35Config) -> None:
+    if not config.tied_embeddings:
+        return
+
+    embed = state_dict.get("decoder_frontend.embed.weight")
+    final_proj = state_dict.get("final_proj.weight")
+
+    if embed is None or final_proj is None or final_proj is embed:
+        return
+
+    if final_proj.data_ptr() == embed.data_ptr() or torch.equal(final_proj, embed):
+        return
+
+    raise HfExportError(
+        "The model must share its output projection with its embeddings, as `tied_embeddings` says, but has an output projection of its own. Export it with a config whose `tied_embeddings` is False."
+    )
+
+
+def _to_vlm_key(key: str) -> str:
+    if key.startswith("model."):
+        return VLM_TEXT_PREFIX + key.removeprefix("model.")
+
+    return key
+
+
+def _check_architecture(base: HfRepository, config: Qwen35Config) -> None:
+    kind = "Qwen3.5-MoE" if isinstance(config, Qwen35MoeConfig) else "dense Qwen3.5"
+
+    try:
+        base_config = qwen35_config_from_hf(base.config)
+    except ValueError as ex:
+        raise HfExportError(
+            f"The base model must be a {kind} model like the exported one, but {base.path} is not: {ex}"
+        ) from None
+
+    if isinstance(base_config, Qwen35MoeConfig) != isinstance(config, Qwen35MoeConfig):
+        raise HfExportError(
+            f"The base model must be a {kind} model like the exported one, but {base.path} is not."
+        )
+
+    fields: list[tuple[object, object, str, str]] = [
+        (config, base_config, name, hg_name) for name, hg_name in _ARCHITECTURE_FIELDS
+    ]
+
+    if isinstance(config, Qwen35MoeConfig) and isinstance(base_config, Qwen35MoeConfig):
+        # The dense width is unused: every layer is MoE.
+        fields = [f for f in fields if f[2] != "ffn_inner_dim"]
+
+        fields += [
+            (config.experts, base_config.experts, name, hg_name)
+            for name, hg_name in _MOE_ARCHITECTURE_FIELDS
+        ]
+
+    differences = [
+        f"{hg_name} (base: {getattr(base_part, name)!r}, model: {getattr(part, name)!r})"
+        for part, base_part, name, hg_name in fields
+        if getattr(base_part, name) != getattr(part, name)
+    ]
+
+    if base_config.get_layer_types() != config.get_layer_types():
+        differences.append(
+            f"layer_types (base: {base_config.get_layer_types()}, model: {config.get_layer_types()})"
+        )
+
+    if differences:
+        raise HfExportError(
+            f"The base model must have the architecture of the exported model, but {base.path} differs in {'; '.join(differences)}."
+        )
+
+
+def _match_base_tensors(
+    tensors: Mapping[str, _PlannedTensor], base: HfRepository, is_vlm: bool
+) -> dict[str, SafetensorsTensor]:
+    """Returns the entry of ``base`` for each of the model's tensors, checking
+    that they are the same tensors in name and shape."""
+    base_keys = {}
+
+    for key, entry in base.tensors.items():
+        if _MTP_KEY.match(key) or _VISUAL_KEY.match(key):
+            continue
+
+        if not is_vlm and key.startswith(VLM_TEXT_PREFIX):
+            key = "model." + key.removeprefix(VLM_TEXT_PREFIX)
+
+        base_keys[key] = entry
+
+    missing = sorted(base_keys.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - base_keys.keys())
+
+    if missing or extra:
+        raise HfExportError(
+            f"The model's tensors must be those of the base model {base.path}, but are not. Only in the base: {', '.join(missing) or 'none'}. Only in the model: {', '.join(extra) or 'none'}."
+        )
+
+    mismatches = [
+        f"{key} (base: {list(entry.shape)}, model: {list(tensors[key].shape)})"
+        for key, entry in base_keys.items()
+        if entry.shape != tensors[key].shape
+    ]
+
+    if mismatches:
+        raise HfExportError(
+            f"The model's tensors must have the shapes of those of the base model {base.path}, but differ in {'; '.join(mismatches)}."
+        )
+
+    return base_keys
+
+
+def _dominant_dtype(tensors: Iterable[_PlannedTensor]) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+
+    for tensor in tensors:
+        if tensor.dtype.is_floating_point:
+            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + numel(tensor.shape)
+
+    return max(counts, key=counts.__getitem__)
+
+
+def _files_to_copy(path: Path, *, vision: bool) -> list[Path]:
+    names = _COPIED_FILES + (_VISION_FILES if vision else ())
+
+    return [path / name for name in names if (path / name).is_file()]
