@@ -6,7 +6,7 @@ the same inputs: a bf16 (``--dtype``) projection weight drawn from N(0,
 0.02^2), decoder outputs from N(0, 1), uniform targets, a summed loss (as our
 units compute it):
 
-- ``ours``: :func:`qwen35_fs2.models.loss.chunked_cross_entropy` through a
+- ``ours``: :func:`qwen35_fs2.recipes.loss.chunked_cross_entropy` through a
   fairseq2 ``Linear`` (the fused path);
 - ``previous``: the same function as of ``--previous-rev``, read from the git
   history of the checkout: the fused path before it moved the gradients to
@@ -46,7 +46,8 @@ from train_step import REPO_ROOT, spawn_worker
 
 PREVIOUS_REV = "e2700f58bfe531601e1e643c5fd5eb052cdaef40"
 
-LOSS_PATH = "src/qwen35_fs2/models/loss.py"
+# Where the loss module was at `PREVIOUS_REV` (it is `recipes/loss.py` since).
+PREVIOUS_LOSS_PATH = "src/qwen35_fs2/models/loss.py"
 
 VARIANTS = ("ours", "previous", "fairseq2", "floor")
 
@@ -64,7 +65,7 @@ def _rss_mib() -> float:
 
 def _read_previous_loss(rev: str) -> str:
     result = subprocess.run(
-        ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{LOSS_PATH}"], capture_output=True, text=True
+        ["git", "-C", str(REPO_ROOT), "show", f"{rev}:{PREVIOUS_LOSS_PATH}"], capture_output=True, text=True
     )
 
     if result.returncode != 0:
@@ -83,12 +84,12 @@ def _loss_fn(args: argparse.Namespace) -> Callable[[Any, Any, Any], Any]:
         return lambda x, proj, targets: cross_entropy(proj(x), targets, None)
 
     if args.worker == "ours":
-        from qwen35_fs2.models.loss import chunked_cross_entropy
+        from qwen35_fs2.recipes.loss import chunked_cross_entropy
     else:
         # The module imports only torch and fairseq2.
         previous = types.ModuleType("previous_loss")
 
-        exec(compile(_read_previous_loss(args.previous_rev), f"{args.previous_rev[:12]}:{LOSS_PATH}", "exec"), previous.__dict__)
+        exec(compile(_read_previous_loss(args.previous_rev), f"{args.previous_rev[:12]}:{PREVIOUS_LOSS_PATH}", "exec"), previous.__dict__)
 
         chunked_cross_entropy = previous.chunked_cross_entropy
 

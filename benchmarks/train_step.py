@@ -118,6 +118,7 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     from fairseq2.nn import BatchLayout
 
     from qwen35_fs2.models.qwen35 import Qwen35Config, create_qwen35_model
+    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 
     config = Qwen35Config(
         model_dim=cfg.model_dim,
@@ -140,7 +141,8 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 
     torch.manual_seed(0)
 
-    model = create_qwen35_model(config).train()
+    # The loss the recipes train with.
+    model = install_chunked_lm_loss(create_qwen35_model(config)).train()
 
     seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
 

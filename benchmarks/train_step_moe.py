@@ -119,6 +119,7 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
     from qwen35_fs2.models.qwen35_moe import Qwen35ExpertsConfig, Qwen35MoeConfig
     from qwen35_fs2.nn import collect_moe_statistics
     from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
+    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 
     config = Qwen35MoeConfig(
         model_dim=cfg.model_dim,
@@ -146,7 +147,8 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
 
     torch.manual_seed(0)
 
-    model = create_qwen35_moe_model(config).train()
+    # The loss the recipes train with.
+    model = install_chunked_lm_loss(create_qwen35_moe_model(config)).train()
 
     seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
 

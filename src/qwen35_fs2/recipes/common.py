@@ -37,7 +37,7 @@ from fairseq2.recipe.trainer import TrainUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.models.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
+from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, collect_moe_statistics
 from qwen35_fs2.models.family import (

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fairseq2.nn import Linear
 
-from qwen35_fs2.models.loss import chunked_cross_entropy
+from qwen35_fs2.recipes.loss import chunked_cross_entropy
 from qwen35_fs2.nn.moe.experts import ExpertDispatch, RoutedExperts
 from qwen35_fs2.ops import causal_conv1d, chunk_gated_delta_rule
 from qwen35_fs2.ops.autocast import autocast_dtype

@@ -31,7 +31,6 @@ from qwen35_fs2.models.qwen35.config import Qwen35Config, check_config
 from qwen35_fs2.nn.decoder import Qwen35Decoder
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
-from qwen35_fs2.models.loss import install_chunked_lm_loss
 from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.nn.rotary import PartialRotaryEncoder
 from qwen35_fs2.nn.tp import TiedVocabShardedProjection
@@ -61,7 +60,7 @@ class Qwen35Factory:
 
         final_proj = self.create_final_projection(embed)
 
-        model = TransformerLM(
+        return TransformerLM(
             config.model_dim,
             decoder_frontend,
             decoder,
@@ -69,8 +68,6 @@ class Qwen35Factory:
             config.pad_idx,
             config.max_seq_len,
         )
-
-        return install_chunked_lm_loss(model)
 
     def create_embedding(self) -> Embedding:
         config = self._config

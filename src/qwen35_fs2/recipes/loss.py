@@ -482,6 +482,11 @@ def install_chunked_lm_loss(
     """Makes ``model(seqs, layout, targets, ...)`` compute its loss with
     :func:`chunked_cross_entropy`, and returns ``model``.
 
+    The training recipes install it on the model they train
+    (:func:`~qwen35_fs2.recipes.common.setup_lm_loss`); call it on a model
+    trained by other code, which otherwise gets fairseq2's loss, whose fp32
+    logits of the whole batch take ``num_tokens * 248320 * 4`` bytes.
+
     :class:`TransformerLM` is final, so its ``compute_fused_loss`` is replaced
     on the instance, as fairseq2's own ``compile_loss`` does.
     """

@@ -14,7 +14,7 @@ from fairseq2.nn.functional import cross_entropy
 
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
-from qwen35_fs2.models.loss import chunked_cross_entropy, install_chunked_lm_loss
+from qwen35_fs2.recipes.loss import chunked_cross_entropy, install_chunked_lm_loss
 
 VOCAB_SIZE = 37
 MODEL_DIM = 8
@@ -320,8 +320,7 @@ class TestInstallChunkedLMLoss:
 
         torch.manual_seed(1)
 
-        # The factory installs the chunked loss with its default chunk size;
-        # a small one makes this batch span several chunks.
+        # A small chunk size makes this batch span several chunks.
         model = install_chunked_lm_loss(create_qwen35_model(config), chunk_size=5)
 
         seqs = torch.randint(0, config.vocab_size, (2, 9))
@@ -356,8 +355,8 @@ class TestInstallChunkedLMLoss:
         for a, e in zip(actual_grads, expected_grads):
             torch.testing.assert_close(a, e)
 
-    def test_factory_installs_the_chunked_loss(self) -> None:
-        model = create_qwen35_model(tiny_qwen35_config())
+    def test_install_replaces_the_loss_of_the_model(self) -> None:
+        model = install_chunked_lm_loss(create_qwen35_model(tiny_qwen35_config()))
 
         loss_fn = model.compute_fused_loss.__func__.func  # type: ignore[attr-defined]
 
