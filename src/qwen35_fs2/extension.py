@@ -17,7 +17,7 @@ from qwen35_fs2.models.qwen35.config import (
     Qwen35Config,
     register_qwen35_configs,
 )
-from qwen35_fs2.export_cli import (
+from qwen35_fs2.cli.export_hf import (
     hand_over_fairseq2_hg_export,
     install_hg_export_failure_filter,
 )

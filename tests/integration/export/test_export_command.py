@@ -22,10 +22,10 @@ from fairseq2.gang import create_fake_gangs
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 from fairseq2.utils.structured import ValueConverter
 
-import qwen35_fs2.export_cli as export_cli
+import qwen35_fs2.cli.export_hf as export_cli
 from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
-from qwen35_fs2.export_cli import main
+from qwen35_fs2.cli.export_hf import main
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.config import qwen35_config_from_hf
 from qwen35_fs2.hf.config import load_hf_config
@@ -134,7 +134,7 @@ def test_exports_an_asset_card_and_takes_one_as_base(runs: dict[TinyQwen35Spec, 
     env = {**os.environ, "FAIRSEQ2_USER_ASSET_DIR": str(tmp_path / "assets")}
 
     def export(*args: str) -> None:
-        command = [sys.executable, "-m", "qwen35_fs2.export_cli", *args, "--no-rich"]
+        command = [sys.executable, "-m", "qwen35_fs2.cli.export_hf", *args, "--no-rich"]
 
         result = subprocess.run(command, env=env, capture_output=True, text=True)
 

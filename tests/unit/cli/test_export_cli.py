@@ -19,9 +19,9 @@ from fairseq2.gang import create_fake_gangs
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 
 from hf_reference import read_safetensors_dir
-import qwen35_fs2.export_cli as export_cli
+import qwen35_fs2.cli.export_hf as export_cli
 import qwen35_fs2.hf.export.checkpoint as export_checkpoint
-from qwen35_fs2.export_cli import (
+from qwen35_fs2.cli.export_hf import (
     hand_over_fairseq2_hg_export,
     install_hg_export_failure_filter,
     main,
@@ -218,7 +218,7 @@ class TestHandOverFairseq2HgExport:
         with pytest.raises(_Exec):
             hand_over_fairseq2_hg_export()
 
-        assert exec_calls == [[sys.executable, "-m", "qwen35_fs2.export_cli", str(checkpoint_dir), str(checkpoint_dir / "step_4" / "hg"), "--step", "4", "--no-rich"]]
+        assert exec_calls == [[sys.executable, "-m", "qwen35_fs2.cli.export_hf", str(checkpoint_dir), str(checkpoint_dir / "step_4" / "hg"), "--step", "4", "--no-rich"]]
 
     def test_leaves_other_processes_and_families_alone(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exec_calls: list[list[str]]) -> None:
         hand_over_fairseq2_hg_export()

@@ -9,7 +9,7 @@ import pytest
 
 from fairseq2.recipe.base import Recipe
 
-from qwen35_fs2 import cli
+from qwen35_fs2.cli import main as cli
 from qwen35_fs2.recipes.eval_gsm8k import EvalGsm8kRecipe
 from qwen35_fs2.recipes.generate import GenerateRecipe
 from qwen35_fs2.recipes.sft import InstructionFinetuneRecipe
@@ -136,11 +136,11 @@ class TestMain:
 
             return 5
 
-        module = types.ModuleType("qwen35_fs2.export_cli")
+        module = types.ModuleType("qwen35_fs2.cli.export_hf")
 
         module.main = export_main  # type: ignore[attr-defined]
 
-        monkeypatch.setitem(sys.modules, "qwen35_fs2.export_cli", module)
+        monkeypatch.setitem(sys.modules, "qwen35_fs2.cli.export_hf", module)
 
         assert cli.main(["lm", "export_hf", "ckpt", "out", "--force"]) == 5
 
@@ -151,7 +151,7 @@ class TestMain:
 
     def test_export_hf_reports_a_missing_export_command(self, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
         # A `None` entry makes the import fail as if the module were missing.
-        monkeypatch.setitem(sys.modules, "qwen35_fs2.export_cli", None)
+        monkeypatch.setitem(sys.modules, "qwen35_fs2.cli.export_hf", None)
 
         assert cli.main(["lm", "export_hf", "ckpt"]) == 2
 

@@ -13,7 +13,7 @@ through :func:`fairseq2.recipe.cli.main`, with these arguments::
   otherwise to ``outputs/<recipe>``. Running a recipe again with the same output
   directory and configuration resumes from its last checkpoint.
 - ``fairseq2 lm export_hf ...`` hands its arguments to
-  :func:`qwen35_fs2.export_cli.main`.
+  :func:`qwen35_fs2.cli.export_hf.main`.
 
 Every recipe also runs as ``python -m qwen35_fs2.recipes.<module>`` with the
 same arguments, and so under ``torchrun``.
@@ -367,13 +367,13 @@ def _as_output_dir(value: object, origin: str, parser: ArgumentParser) -> Path |
 
 def _run_export_hf(argv: Sequence[str]) -> int:
     try:
-        export_cli = import_module("qwen35_fs2.export_cli")
+        export_cli = import_module("qwen35_fs2.cli.export_hf")
     except ModuleNotFoundError as ex:
-        if ex.name != "qwen35_fs2.export_cli":
+        if ex.name != "qwen35_fs2.cli.export_hf":
             raise
 
         print(
-            "fairseq2: error: `fairseq2 lm export_hf` is not available in this installation (qwen35_fs2.export_cli is missing).",
+            "fairseq2: error: `fairseq2 lm export_hf` is not available in this installation (qwen35_fs2.cli.export_hf is missing).",
             file=sys.stderr,
         )
 
@@ -382,7 +382,3 @@ def _run_export_hf(argv: Sequence[str]) -> int:
     ret: int = export_cli.main(argv)
 
     return ret
-
-
-if __name__ == "__main__":
-    sys.exit(main())

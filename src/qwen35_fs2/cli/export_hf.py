@@ -21,7 +21,7 @@ This module also takes over fairseq2's training-time export
 (``regime.export_hugging_face: true``), see
 :func:`hand_over_fairseq2_hg_export`, and makes its failures loud, see
 :func:`install_hg_export_failure_filter`. It runs as
-``python -m qwen35_fs2.export_cli`` too.
+``python -m qwen35_fs2.cli.export_hf`` too.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def hand_over_fairseq2_hg_export() -> None:
     command or the saver it calls (its container refuses to re-register
     either, and the saver needs a transformers 4.57 config class), so its
     process, which loads this extension, is re-executed as ``python -m
-    qwen35_fs2.export_cli DIR/.. DIR/step_N/hg --step N``: the same output,
+    qwen35_fs2.cli.export_hf DIR/.. DIR/step_N/hg --step N``: the same output,
     stdout, stderr and exit status reach the trainer as from fairseq2's
     exporter. Any other use of fairseq2's exporter is left alone.
     """
@@ -242,7 +242,7 @@ def hand_over_fairseq2_hg_export() -> None:
         return
 
     command = [
-        sys.executable, "-m", "qwen35_fs2.export_cli",
+        sys.executable, "-m", "qwen35_fs2.cli.export_hf",
         str(args.checkpoint_dir), str(args.save_dir), "--step", match[1], "--no-rich",
     ]  # fmt: skip
 

@@ -1,0 +1,9 @@
+"""``python -m qwen35_fs2.cli``: the ``fairseq2`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from qwen35_fs2.cli.main import main
+
+sys.exit(main())
