@@ -17,10 +17,6 @@ from qwen35_fs2.models.qwen35.config import (
     Qwen35Config,
     register_qwen35_configs,
 )
-from qwen35_fs2.cli.export_hf import (
-    hand_over_fairseq2_hg_export,
-    install_hg_export_failure_filter,
-)
 from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.hf.export.save import _Qwen35HuggingFaceConverter
@@ -89,14 +85,9 @@ def register_qwen35(container: DependencyContainer) -> None:
     # package on first use.
     register_in_memory_assets(container, "qwen35_fs2.tokenizer", [qwen35_tokenizer_card()])
 
-    # Without a converter fairseq2 refuses `regime.export_hugging_face`.
+    # fairseq2's export API (`get_hugging_face_converter`) gets the text-only
+    # form; our recipes export during training with their own exporter.
     for family in (QWEN35_FAMILY, QWEN35_MOE_FAMILY):
         container.register_type(
             HuggingFaceConverter, _Qwen35HuggingFaceConverter, key=family
         )
-
-    # Training-time export runs fairseq2's exporter in a subprocess that
-    # loads this extension; there it hands over to ours.
-    install_hg_export_failure_filter()
-
-    hand_over_fairseq2_hg_export()

@@ -17,31 +17,24 @@ without a base (a model trained from scratch) ships the tokenizer the run
 trained with (or ``--tokenizer``) and generation defaults that stop at its end
 tokens.
 
-This module also takes over fairseq2's training-time export
-(``regime.export_hugging_face: true``), see
-:func:`hand_over_fairseq2_hg_export`, and makes its failures loud, see
-:func:`install_hg_export_failure_filter`. It runs as
-``python -m qwen35_fs2.cli.export_hf`` too.
+It runs as ``python -m qwen35_fs2.cli.export_hf`` too, which is how the
+recipes export their checkpoints during training
+(:mod:`qwen35_fs2.hf.export.training`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import re
 import sys
 from argparse import ArgumentParser
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final, final
-
-import yaml
-from typing_extensions import override
+from typing import Final
 
 from fairseq2.logging import configure_logging, log
 
-from qwen35_fs2.hf.export.checkpoint import EXPORTABLE_FAMILIES, CheckpointError, export_checkpoint
+from qwen35_fs2.hf.export.checkpoint import CheckpointError, export_checkpoint
 from qwen35_fs2.hf.export.repository import EXPORT_DTYPES, HfExportError
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE
 
@@ -58,18 +51,6 @@ _SIZE_UNITS: Final = {
     "mib": 2**20,
     "gib": 2**30,
 }
-
-_FAIRSEQ2_EXPORTER: Final = "fairseq2.models.utils.hg_export"
-
-_FAIRSEQ2_CHECKPOINT_NAME: Final = re.compile(r"checkpoint_step_([0-9]+)")
-
-# What the trainer logs when the exporter subprocess exits with an error.
-_FAIRSEQ2_EXPORT_FAILURE: Final = re.compile(
-    r"Hugging Face export operation of step ([0-9]+) failed\. See operation output at (.+)\."
-)
-
-_STDERR_TAIL_LINES: Final = 8
-
 
 def main(argv: Sequence[str]) -> int:
     """Runs the command; returns 0 on success, 1 if the export failed and
@@ -190,115 +171,6 @@ def parse_size(value: str) -> int:
         )
 
     return int(match[1]) * _SIZE_UNITS[(match[2] or "b").lower()]
-
-
-def hand_over_fairseq2_hg_export() -> None:
-    """Replaces fairseq2's out-of-process Hugging Face exporter with this
-    command when it is about to export a checkpoint of ours.
-
-    With ``regime.export_hugging_face: true`` the trainer runs ``python -m
-    fairseq2.models.utils.hg_export --checkpoint-dir DIR checkpoint_step_N
-    DIR/step_N/hg`` after each checkpoint, in a subprocess with an empty
-    environment. fairseq2 0.8.1 gives an extension no way to change that
-    command or the saver it calls (its container refuses to re-register
-    either, and the saver needs a transformers 4.57 config class), so its
-    process, which loads this extension, is re-executed as ``python -m
-    qwen35_fs2.cli.export_hf DIR/.. DIR/step_N/hg --step N``: the same output,
-    stdout, stderr and exit status reach the trainer as from fairseq2's
-    exporter. Any other use of fairseq2's exporter is left alone.
-    """
-    main_module = sys.modules.get("__main__")
-
-    spec = getattr(main_module, "__spec__", None)
-
-    if spec is None or spec.name != _FAIRSEQ2_EXPORTER:
-        return
-
-    # fairseq2's own command line (`hg_export._parse_args`).
-    parser = ArgumentParser(add_help=False)
-
-    parser.add_argument("--checkpoint-dir", type=Path)
-    parser.add_argument("--extra-asset-path", type=Path)
-    parser.add_argument("--no-rich", action="store_true")
-    parser.add_argument("model")
-    parser.add_argument("save_dir", type=Path)
-
-    args, unknown_args = parser.parse_known_args(sys.argv[1:])
-
-    if unknown_args or args.checkpoint_dir is None or args.extra_asset_path is not None:
-        return
-
-    match = _FAIRSEQ2_CHECKPOINT_NAME.fullmatch(args.model)
-
-    if match is None:
-        return
-
-    try:
-        metadata = yaml.safe_load((args.checkpoint_dir / "model.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return
-
-    if not isinstance(metadata, dict) or metadata.get("model_family") not in EXPORTABLE_FAMILIES:
-        return
-
-    command = [
-        sys.executable, "-m", "qwen35_fs2.cli.export_hf",
-        str(args.checkpoint_dir), str(args.save_dir), "--step", match[1], "--no-rich",
-    ]  # fmt: skip
-
-    print(f"fairseq2's Hugging Face exporter hands over to qwen35-fs2: {' '.join(command)}", flush=True)
-
-    sys.stderr.flush()
-
-    os.execv(sys.executable, command)
-
-
-@final
-class _HgExportFailureFilter(logging.Filter):
-    """Turns fairseq2's warning that an out-of-process export failed into an
-    error that carries the exporter's own message."""
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        match = _FAIRSEQ2_EXPORT_FAILURE.fullmatch(record.getMessage())
-
-        if match is None:
-            return True
-
-        step_nr, stderr_file = match[1], match[2]
-
-        try:
-            lines = Path(stderr_file).read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError as ex:
-            lines = [f"(its output cannot be read: {ex})"]
-
-        lines = [line for line in lines if line.strip()]
-
-        # From the exporter's error message on, else the end of its output.
-        error_idx = next((i for i, line in enumerate(lines) if " ERROR" in line), None)
-
-        if error_idx is None:
-            tail = lines[-_STDERR_TAIL_LINES:]
-        else:
-            tail = [lines[error_idx], *lines[error_idx + 1 :][-(_STDERR_TAIL_LINES - 1) :]]
-
-        record.msg = "\n".join(
-            [f"Hugging Face export of step {step_nr} FAILED; the last lines of {stderr_file}:", *(f"    {line}" for line in tail)]
-        )
-        record.args = ()
-        record.levelno = logging.ERROR
-        record.levelname = logging.getLevelName(logging.ERROR)
-
-        return True
-
-
-def install_hg_export_failure_filter() -> None:
-    """Makes failed training-time exports errors in the run's log; fairseq2
-    logs them as a warning that only points at a file."""
-    logger = logging.getLogger("fairseq2")
-
-    if not any(isinstance(f, _HgExportFailureFilter) for f in logger.filters):
-        logger.addFilter(_HgExportFailureFilter())
 
 
 if __name__ == "__main__":

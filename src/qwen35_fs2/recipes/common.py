@@ -45,6 +45,7 @@ from qwen35_fs2.models.family import (
     finish_sharded_checkpoint_loading,
 )
 from qwen35_fs2.recipes.preemption import install_stop_on_signal_fix
+from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
@@ -129,7 +130,8 @@ class LMTrainingRecipe(Recipe):
         valid_reader: DataReader[SequenceBatch] | None,
     ) -> Task:
         """Returns the trainer of the language-model loss on ``train_reader``,
-        validating on ``valid_reader`` if given."""
+        validating on ``valid_reader`` if given, and exporting its checkpoints
+        to Hugging Face if the regime asks (:mod:`qwen35_fs2.recipes.hf_export`)."""
         config = cast(_LMTrainingConfig, context.get_config_as(self.config_kls))
 
         dp_model = context.get_data_parallel_model()
@@ -140,12 +142,20 @@ class LMTrainingRecipe(Recipe):
 
         unit = LMTrainUnit(loss_computer)
 
+        # Before the trainer exists: fairseq2 creates its exporter with it.
+        hf_exporter = take_over_hf_export(context)
+
         if valid_reader is None:
-            return context.create_trainer(unit, train_reader)
+            trainer = context.create_trainer(unit, train_reader)
+        else:
+            valid_unit = LMLossEvalUnit(loss_computer)
 
-        valid_unit = LMLossEvalUnit(loss_computer)
+            trainer = context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
 
-        return context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
+        if hf_exporter is None:
+            return trainer
+
+        return export_hf_checkpoints(trainer, hf_exporter)
 
 
 def setup_lm_loss(model: Module, section: LMLossSection) -> Module:

@@ -1,5 +1,5 @@
 """``fairseq2 lm export_hf`` on training runs, and training-time export
-through fairseq2's own out-of-process exporter (empty environment)."""
+through the recipes' exporter (a subprocess with an empty environment)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ import torch
 import yaml
 from torch.nn import Module
 
-from fairseq2.checkpoint import HuggingFaceExportOptions, OutOfProcHuggingFaceExporter
 from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
-from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
+from fairseq2.runtime.dependency import get_dependency_resolver
 from fairseq2.utils.structured import ValueConverter
 
 import qwen35_fs2.cli.export_hf as export_cli
 from export_testing import DENSE_VLM, DENSE_VLM_WIDE, INPUT_IDS, MOE_VLM, fairseq2_logits, make_training_run
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
 from qwen35_fs2.cli.export_hf import main
+from qwen35_fs2.hf.export.training import HfCheckpointExporter
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.config import qwen35_config_from_hf
 from qwen35_fs2.hf.config import load_hf_config
@@ -156,15 +156,13 @@ def test_exports_an_asset_card_and_takes_one_as_base(runs: dict[TinyQwen35Spec, 
 
 
 def _export_like_the_trainer(run_dir: Path, step_nr: int) -> list[int]:
-    """Runs fairseq2's out-of-process exporter as its trainer does (a
-    subprocess with an empty environment); returns the steps reported done."""
-    exporter = wire_object(get_dependency_resolver(), OutOfProcHuggingFaceExporter, output_dir=run_dir, gangs=create_fake_gangs(CPU))
+    """Runs the recipes' training-time exporter as their trainer does (a
+    subprocess with an empty environment); returns the steps exported."""
+    exporter = HfCheckpointExporter(run_dir / "checkpoints", create_fake_gangs(CPU))
 
-    exported: list[int] = []
+    exporter.export(step_nr)
 
-    exporter.export(step_nr, HuggingFaceExportOptions(export_callback=lambda args: exported.append(args.step_nr), blocking=True))
-
-    return exported
+    return [step_nr] if exporter.wait() else []
 
 
 def test_training_time_export_writes_what_the_command_writes(runs: dict[TinyQwen35Spec, tuple[Path, Path, dict[int, Module]]], tmp_path: Path) -> None:
@@ -183,7 +181,7 @@ def test_training_time_export_writes_what_the_command_writes(runs: dict[TinyQwen
     for name in names:
         assert (hg_dir / name).read_bytes() == (tmp_path / "out" / name).read_bytes(), name
 
-    assert "hands over to qwen35-fs2" in (run_dir / "checkpoints" / "step_2" / "hg.stdout").read_text()
+    assert "qwen35_fs2.cli.export_hf" in (run_dir / "checkpoints" / "step_2" / "hg.run").read_text()
 
 
 def test_failed_training_time_export_is_an_error_in_the_log_and_the_exit_status(runs: dict[TinyQwen35Spec, tuple[Path, Path, dict[int, Module]]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -213,7 +211,7 @@ def test_failed_training_time_export_is_an_error_in_the_log_and_the_exit_status(
     assert errors[0].startswith("Hugging Face export of step 4 FAILED")
     assert f"started from {tmp_path / 'gone'}" in errors[0]
 
-    # fairseq2's command line, as it records it, fails in an empty environment.
+    # The command line, as the exporter records it, fails in an empty environment.
     command = shlex.split((step_dir / "hg.run").read_text())
 
     result = subprocess.run(command, env={}, capture_output=True, text=True)

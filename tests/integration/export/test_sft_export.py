@@ -203,6 +203,9 @@ def test_training_time_export_equals_the_command(sft_run: tuple[Path, Path], exp
     for name in names:
         assert (hg_dir / name).read_bytes() == (exports["default"] / name).read_bytes(), name
 
+    # The recipe's exporter wrote it, not fairseq2's.
+    assert "-m qwen35_fs2.cli.export_hf" in (hg_dir.parent / "hg.run").read_text()
+
 
 def test_transformers_greedy_generation_equals_fairseq2(sft_run: tuple[Path, Path], exports: dict[str, Path]) -> None:
     _, run_dir = sft_run

@@ -1,61 +1,28 @@
 """Unit tests of ``fairseq2 lm export_hf`` on fairseq2 checkpoints of a tiny
-model, and of its hand-over from fairseq2's training-time exporter."""
+model."""
 
 from __future__ import annotations
 
 import json
 import logging
-import sys
-import types
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
-from fairseq2.device import CPU
-from fairseq2.gang import create_fake_gangs
-from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
-
 from hf_reference import read_safetensors_dir
+from training_runs import write_scratch_run
 import qwen35_fs2.cli.export_hf as export_cli
 import qwen35_fs2.hf.export.checkpoint as export_checkpoint
-from qwen35_fs2.cli.export_hf import (
-    hand_over_fairseq2_hg_export,
-    install_hg_export_failure_filter,
-    main,
-    parse_size,
-)
+from qwen35_fs2.cli.export_hf import main, parse_size
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A training output directory with checkpoints of steps 2 and 4, written
-    by fairseq2's checkpoint manager, of a model trained from scratch."""
-    run_dir = tmp_path_factory.mktemp("run")
-
-    resolver = get_dependency_resolver()
-
-    config = tiny_qwen35_config()
-
-    model = create_qwen35_model(config)
-
-    manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
-
-    for step_nr in (2, 4):
-        with torch.no_grad():
-            dict(model.named_parameters())["decoder.layer_norm.weight"].fill_(step_nr)
-
-        manager.save_model_only(step_nr, model, blocking=True)
-
-    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
-
-    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"name": None, "path": None, "family": "qwen35", "arch": "qwen35_tiny"}}))
-
-    return run_dir
+    return write_scratch_run(tmp_path_factory.mktemp("run"))
 
 
 @pytest.fixture(autouse=True)
@@ -182,83 +149,3 @@ class TestParseSize:
     def test_rejects_other_values(self, value: str) -> None:
         with pytest.raises(Exception, match="SIZE must be a positive number of bytes"):
             parse_size(value)
-
-
-class _Exec(Exception):
-    pass
-
-
-class TestHandOverFairseq2HgExport:
-    @pytest.fixture
-    def exec_calls(self, monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
-        calls: list[list[str]] = []
-
-        def execv(path: str, args: list[str]) -> None:
-            calls.append(args)
-
-            raise _Exec()
-
-        monkeypatch.setattr(export_cli.os, "execv", execv)
-
-        return calls
-
-    def _as_fairseq2_exporter(self, monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
-        main_module = types.ModuleType("__main__")
-
-        main_module.__spec__ = types.SimpleNamespace(name="fairseq2.models.utils.hg_export")  # type: ignore[assignment]
-
-        monkeypatch.setitem(sys.modules, "__main__", main_module)
-        monkeypatch.setattr(sys, "argv", ["hg_export.py", *argv])
-
-    def test_re_executes_fairseq2s_exporter_of_our_checkpoint_as_ours(self, run_dir: Path, monkeypatch: pytest.MonkeyPatch, exec_calls: list[list[str]]) -> None:
-        checkpoint_dir = run_dir / "checkpoints"
-
-        self._as_fairseq2_exporter(monkeypatch, ["--no-rich", "--checkpoint-dir", str(checkpoint_dir), "checkpoint_step_4", str(checkpoint_dir / "step_4" / "hg")])
-
-        with pytest.raises(_Exec):
-            hand_over_fairseq2_hg_export()
-
-        assert exec_calls == [[sys.executable, "-m", "qwen35_fs2.cli.export_hf", str(checkpoint_dir), str(checkpoint_dir / "step_4" / "hg"), "--step", "4", "--no-rich"]]
-
-    def test_leaves_other_processes_and_families_alone(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exec_calls: list[list[str]]) -> None:
-        hand_over_fairseq2_hg_export()
-
-        (tmp_path / "model.yaml").write_text("model_family: llama\n")
-
-        self._as_fairseq2_exporter(monkeypatch, ["--checkpoint-dir", str(tmp_path), "checkpoint_step_4", str(tmp_path / "hg")])
-
-        hand_over_fairseq2_hg_export()
-
-        self._as_fairseq2_exporter(monkeypatch, ["qwen35_0.8b", str(tmp_path / "hg")])
-
-        hand_over_fairseq2_hg_export()
-
-        assert exec_calls == []
-
-
-class TestHgExportFailureFilter:
-    def test_turns_fairseq2s_warning_into_an_error_with_the_exporters_message(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-        install_hg_export_failure_filter()
-        install_hg_export_failure_filter()
-
-        assert len(logging.getLogger("fairseq2").filters) == 1
-
-        stderr_file = tmp_path / "hg.stderr"
-
-        stderr_file.write_text("INFO: noise\n\n2026 ERROR: fairseq2 - Export failed: The base model must be ...\n")
-
-        logger = logging.getLogger("fairseq2")
-
-        with caplog.at_level(logging.INFO, logger="fairseq2"):
-            logger.warning(f"Hugging Face export operation of step 7 failed. See operation output at {stderr_file}.")
-            logger.warning("Something else.")
-
-        failure, other = caplog.records[-2:]
-
-        assert failure.levelno == logging.ERROR
-        assert failure.getMessage().startswith(f"Hugging Face export of step 7 FAILED; the last lines of {stderr_file}:")
-        assert "Export failed: The base model must be ..." in failure.getMessage()
-        assert "noise" not in failure.getMessage()
-
-        assert other.levelno == logging.WARNING
-        assert other.getMessage() == "Something else."

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from qwen35_fs2 import cli
+from qwen35_fs2.cli import main as cli
 
 RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
 

@@ -94,8 +94,8 @@ class _Qwen35HuggingFaceConverter(HuggingFaceConverter):
     """Gives fairseq2's export API the text-only form of an export.
 
     fairseq2's own saver cannot write it with transformers 4.57 (no Qwen3.5
-    config class); training-time export runs :mod:`qwen35_fs2.cli.export_hf`
-    instead, see :func:`qwen35_fs2.cli.export_hf.hand_over_fairseq2_hg_export`.
+    config class); our recipes export their checkpoints during training with
+    :class:`~qwen35_fs2.hf.export.training.HfCheckpointExporter` instead.
     """
 
     @override

@@ -1,0 +1,44 @@
+"""Training output directories as fairseq2's recipes leave them, written
+without training, for the tests of the export command and of the
+training-time exporter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
+from fairseq2.device import CPU
+from fairseq2.gang import create_fake_gangs
+from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
+
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
+
+
+def write_scratch_run(run_dir: Path) -> Path:
+    """Writes into ``run_dir`` a training output directory with checkpoints
+    of steps 2 and 4, written by fairseq2's checkpoint manager, of a
+    ``qwen35_tiny`` model trained from scratch whose final norm is filled
+    with the step number; returns ``run_dir``."""
+    resolver = get_dependency_resolver()
+
+    config = tiny_qwen35_config()
+
+    model = create_qwen35_model(config)
+
+    manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
+
+    for step_nr in (2, 4):
+        with torch.no_grad():
+            dict(model.named_parameters())["decoder.layer_norm.weight"].fill_(step_nr)
+
+        manager.save_model_only(step_nr, model, blocking=True)
+
+    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"name": None, "path": None, "family": "qwen35", "arch": "qwen35_tiny"}}))
+
+    return run_dir

@@ -1,0 +1,90 @@
+"""The training-time exporter: ``fairseq2 lm export_hf`` of a saved step, in
+a subprocess on rank 0, with its command line and output next to the
+export, and a failure as an error in the log."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq2.device import CPU
+from fairseq2.gang import FakeGang, Gangs, create_fake_gangs
+
+from hf_reference import read_safetensors_dir
+from training_runs import write_scratch_run
+from qwen35_fs2.hf.export.training import HfCheckpointExporter
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_scratch_run(tmp_path_factory.mktemp("run"))
+
+
+class TestHfCheckpointExporter:
+    def test_exports_the_step_with_the_export_command(self, run_dir: Path) -> None:
+        checkpoint_dir = run_dir / "checkpoints"
+
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU))
+
+        exporter.export(2)
+
+        assert exporter.wait() is True
+
+        step_dir = checkpoint_dir / "step_2"
+
+        assert shlex.split((step_dir / "hg.run").read_text()) == [
+            sys.executable, "-m", "qwen35_fs2.cli.export_hf", str(checkpoint_dir), str(step_dir / "hg"), "--step", "2", "--no-rich",
+        ]  # fmt: skip
+
+        # The checkpoint of step 2, not the latest one.
+        tensors = read_safetensors_dir(step_dir / "hg")
+
+        assert torch.equal(tensors["model.norm.weight"], torch.full((64,), 2.0))
+
+        assert (step_dir / "hg.stdout").is_file()
+
+        assert exporter.wait() is None
+
+    def test_logs_a_failure_with_the_commands_error_and_exit_status(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        # A checkpoint directory without checkpoints.
+        checkpoint_dir = tmp_path / "checkpoints"
+
+        (checkpoint_dir / "step_3").mkdir(parents=True)
+
+        (checkpoint_dir / "model.yaml").write_text("model_family: qwen35\n")
+
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU))
+
+        with caplog.at_level(logging.INFO, logger="fairseq2"):
+            exporter.export(3)
+
+            assert exporter.wait() is False
+
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+        assert len(errors) == 1
+
+        stderr_file = checkpoint_dir / "step_3" / "hg.stderr"
+
+        assert errors[0].startswith(f"Hugging Face export of step 3 FAILED (exit status 1); the last lines of {stderr_file}:")
+        assert "must hold at least one checkpoint (a step_N/model directory), but has none" in errors[0]
+
+        assert not (checkpoint_dir / "step_3" / "hg").exists()
+
+    def test_exports_nothing_on_other_ranks(self, run_dir: Path) -> None:
+        gang = FakeGang(CPU, rank=1, size=2)
+
+        gangs = Gangs(root=gang, dp=gang, rdp=gang, sdp=gang, tp=gang, pp=gang)
+
+        exporter = HfCheckpointExporter(run_dir / "checkpoints", gangs)
+
+        exporter.export(4)
+
+        assert exporter.wait() is None
+
+        assert not (run_dir / "checkpoints" / "step_4" / "hg.run").exists()
