@@ -44,7 +44,7 @@ from qwen35_fs2.models.family import (
     enable_sharded_checkpoint_loading,
     finish_sharded_checkpoint_loading,
 )
-from qwen35_fs2.recipes.preemption import install_stop_on_signal_fix
+from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
@@ -152,6 +152,9 @@ class LMTrainingRecipe(Recipe):
 
             trainer = context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
 
+        # SIGUSR1 (SLURM's warning before the time limit) must stop training.
+        stop_on_signal(trainer)
+
         if hf_exporter is None:
             return trainer
 
@@ -231,9 +234,6 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("elements_per_second", "Tokens per Second", 810, format_as_int)
 
     register_cli_error(container, NonFiniteLossError, _handle_non_finite_loss_error)
-
-    # SIGUSR1 (SLURM's warning before the time limit) must stop training.
-    install_stop_on_signal_fix()
 
 
 def get_sft_pad_idx(tokenizer: Tokenizer) -> int:
