@@ -562,7 +562,9 @@ class TestCollectMoeStatistics:
         for name, grad in grads.items():
             torch.testing.assert_close(checkpointed_grads[name], grad, msg=name)
 
-    def test_the_recipes_activation_checkpointing_counts_statistics_once(self) -> None:
+    # Without early stopping, the recomputation reaches the statistics.
+    @pytest.mark.parametrize("early_stop", [True, False])
+    def test_the_recipes_activation_checkpointing_counts_statistics_once(self, early_stop: bool) -> None:
         """Collected after the backward pass, in which the checkpointed layers
         rerun their forward passes: the statistics are those of the model
         without checkpointing."""
@@ -591,7 +593,8 @@ class TestCollectMoeStatistics:
 
         expected = statistics_after_backward(model)
 
-        statistics = statistics_after_backward(checkpointed)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            statistics = statistics_after_backward(checkpointed)
 
         assert torch.equal(statistics.tokens_per_expert, expected.tokens_per_expert)
 

@@ -113,11 +113,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
     @override
     def forward(
-        self,
-        seqs: Tensor,
-        seqs_layout: BatchLayout | None = None,
-        *,
-        statistics: MoeStatisticsRecorder | None = None,
+        self, seqs: Tensor, seqs_layout: BatchLayout | None = None, *, statistics: MoeStatisticsRecorder | None = None
     ) -> Tensor:
         """
         :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
