@@ -29,7 +29,9 @@ then override that instead.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import final
 
 from torch.nn import Module
 from typing_extensions import override
@@ -39,26 +41,42 @@ from fairseq2.gang import Gangs
 from fairseq2.models.family import StandardModelFamily
 
 
+@final
+@dataclass(frozen=True)
+class CheckpointLoadRequest:
+    """What a family is asked to load: the arguments of
+    ``ModelFamily.load_custom_model``, or of ``load_model`` with the
+    directory and ``restrict`` of the asset card resolved."""
+
+    path: Path
+
+    config: object
+
+    gangs: Gangs
+
+    dtype: DataType
+
+    load_rank0_only: bool
+
+    mmap: bool
+
+    restrict: bool | None
+
+
 class CheckpointLoadingHookFamily(StandardModelFamily):  # type: ignore[misc]
     """fairseq2's ``StandardModelFamily``, whose loading of a checkpoint
     directory, after ``load_model`` resolved it from an asset card or as
     ``load_custom_model`` received it, is :meth:`load_checkpoint`."""
 
-    def load_checkpoint(
-        self,
-        path: Path,
-        config: object,
-        gangs: Gangs,
-        dtype: DataType,
-        load_rank0_only: bool,
-        mmap: bool,
-        restrict: bool | None,
-    ) -> Module:
-        """Loads the checkpoint at ``path`` as fairseq2 does (on data-parallel
-        rank 0, broadcast to the others unless ``load_rank0_only``).
-        Subclasses override it; ``load_model`` maps the errors it raises to
-        errors of the asset card, as for fairseq2's loading."""
-        model: Module = super()._do_load_model(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
+    def load_checkpoint(self, request: CheckpointLoadRequest) -> Module:
+        """Loads the checkpoint of ``request`` as fairseq2 does (on
+        data-parallel rank 0, broadcast to the others unless
+        ``load_rank0_only``). Subclasses override it; ``load_model`` maps
+        the errors it raises to errors of the asset card, as for fairseq2's
+        loading."""
+        model: Module = super()._do_load_model(
+            request.path, request.config, request.gangs, request.dtype, request.load_rank0_only, request.mmap, request.restrict
+        )
 
         return model
 
@@ -73,4 +91,4 @@ class CheckpointLoadingHookFamily(StandardModelFamily):  # type: ignore[misc]
         mmap: bool,
         restrict: bool | None,
     ) -> Module:
-        return self.load_checkpoint(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
+        return self.load_checkpoint(CheckpointLoadRequest(path, config, gangs, dtype, load_rank0_only, mmap, restrict))

@@ -15,9 +15,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.assets import AssetCard, AssetCardError
-from fairseq2.data_type import DataType
 from fairseq2.error import InternalError
-from fairseq2.gang import Gangs
 from fairseq2.logging import log
 from fairseq2.models import ModelFamily
 from fairseq2.models.family import (
@@ -36,7 +34,7 @@ from fairseq2.runtime.dependency import (
 )
 from fairseq2.utils.validation import ValidationError
 
-from qwen35_fs2.compat.checkpoint_loading_hook import CheckpointLoadingHookFamily
+from qwen35_fs2.compat.checkpoint_loading_hook import CheckpointLoadRequest, CheckpointLoadingHookFamily
 from qwen35_fs2.hf.config import (
     adopt_hf_architecture,
     find_checkpoint_hf_config,
@@ -114,24 +112,17 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         return config
 
     @override
-    def load_checkpoint(
-        self,
-        path: Path,
-        config: object,
-        gangs: Gangs,
-        dtype: DataType,
-        load_rank0_only: bool,
-        mmap: bool,
-        restrict: bool | None,
-    ) -> Module:
+    def load_checkpoint(self, request: CheckpointLoadRequest) -> Module:
         sharded_loading = self.sharded_loading
 
+        path, config = request.path, request.config
+
         if sharded_loading is None or not isinstance(config, Qwen35Config) or not _is_hf_checkpoint(path):
-            return super().load_checkpoint(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
+            return super().load_checkpoint(request)
 
         log.info("Deferring the loading of {} until the model is sharded; each rank will read its own shards.", path)
 
-        model = self.create_new_model(config, gangs, dtype, meta=True, init_rank0_only=False)
+        model = self.create_new_model(config, request.gangs, request.dtype, meta=True, init_rank0_only=False)
 
         sharded_loading.defer(model, DeferredCheckpoint(path, config))
 

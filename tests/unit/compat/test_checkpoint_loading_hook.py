@@ -17,13 +17,12 @@ import torch
 from torch.nn import Linear, Module
 
 from fairseq2.assets import AssetCard, AssetCardError
-from fairseq2.data_type import DataType
 from fairseq2.device import CPU
-from fairseq2.gang import Gangs, create_fake_gangs
+from fairseq2.gang import create_fake_gangs
 from fairseq2.models.family import StandardModelFamily
 from fairseq2.runtime.dependency import DependencyLookup, get_dependency_resolver, wire_object
 
-from qwen35_fs2.compat.checkpoint_loading_hook import CheckpointLoadingHookFamily
+from qwen35_fs2.compat.checkpoint_loading_hook import CheckpointLoadRequest, CheckpointLoadingHookFamily
 
 _REMEDY = (
     "fairseq2's `StandardModelFamily` no longer loads checkpoint directories through `_do_load_model(path, config, gangs, "
@@ -42,36 +41,16 @@ def _create_tiny_model(config: _TinyConfig) -> Linear:
     return Linear(config.dim, config.dim)
 
 
-@dataclass(frozen=True)
-class _LoadCall:
-    path: Path
-    config: object
-    gangs: Gangs
-    dtype: DataType
-    load_rank0_only: bool
-    mmap: bool
-    restrict: bool | None
-
-
 class _RecordingFamily(CheckpointLoadingHookFamily):
     """Records each checkpoint it is asked to load, then loads it as
     fairseq2 does."""
 
-    calls: list[_LoadCall]
+    requests: list[CheckpointLoadRequest]
 
-    def load_checkpoint(
-        self,
-        path: Path,
-        config: object,
-        gangs: Gangs,
-        dtype: DataType,
-        load_rank0_only: bool,
-        mmap: bool,
-        restrict: bool | None,
-    ) -> Module:
-        self.calls.append(_LoadCall(path, config, gangs, dtype, load_rank0_only, mmap, restrict))
+    def load_checkpoint(self, request: CheckpointLoadRequest) -> Module:
+        self.requests.append(request)
 
-        return super().load_checkpoint(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
+        return super().load_checkpoint(request)
 
 
 def _family() -> _RecordingFamily:
@@ -86,14 +65,11 @@ def _family() -> _RecordingFamily:
         factory=_create_tiny_model,
         supports_meta=True,
         restrict=True,
-        state_dict_converter=None,
-        shard_specs=None,
-        compiler=None,
-        fsdp_applier=None,
-        layerwise_ac_applier=None,
+        # Plain checkpoints of an unsharded model, never compiled or wrapped.
+        **dict.fromkeys(["state_dict_converter", "shard_specs", "compiler", "fsdp_applier", "layerwise_ac_applier"]),
     )
 
-    family.calls = []
+    family.requests = []
 
     return family
 
@@ -144,7 +120,7 @@ class TestFairseq2ModelFamily:
 
         model = family.load_custom_model(path, config, gangs, torch.float32, load_rank0_only=False, mmap=True, restrict=None)
 
-        assert family.calls == [_LoadCall(path, config, gangs, torch.float32, False, True, None)], _REMEDY
+        assert family.requests == [CheckpointLoadRequest(path, config, gangs, torch.float32, False, True, None)], _REMEDY
 
         _assert_loaded(model, state_dict)
 
@@ -165,7 +141,7 @@ class TestFairseq2ModelFamily:
 
         model = family.load_model(card, gangs, torch.float32, config=None, load_rank0_only=True, mmap=False)
 
-        assert family.calls == [_LoadCall(tmp_path / "download" / "sub" / "model.pt", _TinyConfig(), gangs, torch.float32, True, False, False)], _REMEDY
+        assert family.requests == [CheckpointLoadRequest(tmp_path / "download" / "sub" / "model.pt", _TinyConfig(), gangs, torch.float32, True, False, False)], _REMEDY
 
         _assert_loaded(model, state_dict)
 
@@ -179,4 +155,4 @@ class TestFairseq2ModelFamily:
         with pytest.raises(AssetCardError, match=r"missing\.pt pointed to by the checkpoint field of the tiny_card asset card is not found"):
             family.load_model(card, create_fake_gangs(CPU), torch.float32, config=None, load_rank0_only=False, mmap=False)
 
-        assert len(family.calls) == 1, _REMEDY
+        assert len(family.requests) == 1, _REMEDY
