@@ -1,0 +1,10 @@
+"""LoRA fine-tuning: adapters on the projections of a Qwen3.5 model, selected
+by their Hugging Face names."""
+
+from __future__ import annotations
+
+from qwen35_fs2.lora.apply import apply_lora as apply_lora
+from qwen35_fs2.lora.apply import hg_module_name as hg_module_name
+from qwen35_fs2.lora.apply import lora_parameters as lora_parameters
+from qwen35_fs2.lora.config import LORA_TARGET_MODULES as LORA_TARGET_MODULES
+from qwen35_fs2.lora.config import LoraConfig as LoraConfig
