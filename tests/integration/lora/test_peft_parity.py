@@ -1,5 +1,6 @@
 """A LoRA model's exported PEFT adapter, loaded with ``PeftModel.from_pretrained``
-onto transformers' ``Qwen3_5ForCausalLM`` (the overlay), gives our model's logits."""
+onto transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (the
+overlay), gives our model's logits."""
 
 from __future__ import annotations
 
@@ -19,18 +20,31 @@ from qwen35_fs2.lora import LORA_TARGET_MODULES, LoraConfig, apply_lora, save_pe
 _SEQ_LENS = [1, 37, 70]
 
 # Two key heads with two value heads each, so that the key-head grouping of
-# `in_proj_qkv` rows is not the identity; both mixers; untied, with GQA.
-_SPEC = TinyQwen35Spec(
-    layout="text",
-    num_hidden_layers=4,
-    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    seed=11,
-    initializer_range=0.02,
-)
+# `in_proj_qkv` rows is not the identity; both mixers; untied, with GQA. The
+# MoE model's `gate_proj`/`up_proj`/`down_proj` are its shared experts'.
+_SPECS = {
+    "dense": TinyQwen35Spec(
+        layout="text",
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        seed=11,
+        initializer_range=0.02,
+    ),
+    "moe": TinyQwen35Spec(
+        layout="text",
+        moe=True,
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        seed=12,
+        initializer_range=0.02,
+    ),
+}
 
 
 def _padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +61,11 @@ def _padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rslora", [False, True])
-def test_exported_adapter_gives_our_logits_in_peft(rslora: bool, hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
-    model_dir = hf_tiny_models.get(_SPEC)
+@pytest.mark.parametrize(("name", "rslora"), [("dense", False), ("dense", True), ("moe", False)])
+def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
+    spec = _SPECS[name]
+
+    model_dir = hf_tiny_models.get(spec)
 
     model_config = qwen35_config_from_hf(load_hf_config(model_dir))
 
@@ -71,7 +87,7 @@ def test_exported_adapter_gives_our_logits_in_peft(rslora: bool, hf_tiny_models:
 
     save_peft_adapter(model, adapter_dir, config=lora_config, model_config=model_config, base_model_name_or_path=str(model_dir))
 
-    seqs, mask = _padded_batch(_SPEC.vocab_size)
+    seqs, mask = _padded_batch(spec.vocab_size)
 
     batch = HfReferenceBatch()
 
