@@ -32,4 +32,5 @@ from .spec import LayerTypeName as LayerTypeName
 from .spec import ReferenceDtype as ReferenceDtype
 from .spec import ReferencePrecision as ReferencePrecision
 from .spec import TinyQwen35Spec as TinyQwen35Spec
+from .spec import qwen35_0p8b_spec as qwen35_0p8b_spec
 from .tensors import read_safetensors_dir as read_safetensors_dir

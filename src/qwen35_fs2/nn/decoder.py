@@ -83,8 +83,9 @@ class Qwen35Decoder(TransformerLMDecoder):
             if not all(hook(layer_idx, seqs, seqs_layout, num_layers) for hook in hooks):
                 break
 
-        # What the MoE blocks record from now on, activation checkpointing
-        # records while it recomputes their layers in the backward pass.
+        # From now on the MoE blocks run only when activation checkpointing
+        # recomputes their layers in the backward pass; the closed recorder
+        # ignores what they record then.
         moe_statistics.close()
 
         return self.layer_norm(seqs)  # type: ignore[no-any-return]
@@ -112,6 +113,7 @@ def collect_moe_statistics(model: Module) -> MoeStatistics | None:
     Works through activation-checkpoint, FSDP, DDP, and ``torch.compile``
     wrappers. Call it after every forward pass whose load-balancing loss
     counts (every gradient-accumulation step), before the backward pass.
+    Until then, or until its next forward pass, the decoder holds them.
 
     :returns: ``None`` if ``model`` has no MoE layers.
 

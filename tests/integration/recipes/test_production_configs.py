@@ -51,7 +51,7 @@ from typing import Final
 
 import pytest
 
-from hf_reference import TinyQwen35Spec
+from hf_reference import qwen35_0p8b_spec
 from hf_reference.runner import HfReferenceBatch
 from offline_hub import add_hub_snapshot, offline_hub_env
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
@@ -61,23 +61,7 @@ pytestmark = pytest.mark.slow
 
 # The real Qwen3.5-0.8B text configuration (transformers names), with 4 of
 # its 24 layers (see the module docstring).
-QWEN35_0P8B: Final = TinyQwen35Spec(
-    layout="vlm",
-    hidden_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=256,
-    linear_num_key_heads=16,
-    linear_num_value_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    intermediate_size=3584,
-    vocab_size=248_320,
-    tie_word_embeddings=True,
-    initializer_range=0.02,
-    dtype="bfloat16",
-)
+QWEN35_0P8B: Final = qwen35_0p8b_spec(num_hidden_layers=4, layout="vlm", dtype="bfloat16")
 
 NUM_STEPS: Final = 1
 
