@@ -64,14 +64,15 @@ def _save_random_hf_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 class TestLoraInstructionFinetuneCPU:
-    def test_loss_decreases_and_only_the_adapters_train(self, tmp_path: Path) -> None:
+    @pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes-fsdp2"])
+    def test_loss_decreases_and_only_the_adapters_train(self, nproc: int, tmp_path: Path) -> None:
         base_dir = tmp_path / "base"
 
         base = _save_random_hf_checkpoint(base_dir)
 
         output_dir = tmp_path / "out"
 
-        process = run_recipe("instruction_finetune", output_dir, CONFIG, [*OVERRIDES, f"model.path={base_dir}"])
+        process = run_recipe("instruction_finetune", output_dir, CONFIG, [*OVERRIDES, f"model.path={base_dir}"], nproc=nproc)
 
         assert f"Every rank read its shards of {base_dir}." in process.stdout
 
@@ -87,7 +88,10 @@ class TestLoraInstructionFinetuneCPU:
 
         step_dir = output_dir / "checkpoints" / "step_6"
 
-        saved = torch.load(step_dir / "model" / "pp_00" / "tp_00" / "sdp_00.pt", map_location="cpu", weights_only=True)
+        # FSDP2 saves each rank's rows of every tensor.
+        shards = [torch.load(step_dir / "model" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=True) for rank in range(nproc)]
+
+        saved = {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}
 
         adapter_keys = {key for key in saved if ".lora." in key}
 
@@ -100,13 +104,22 @@ class TestLoraInstructionFinetuneCPU:
         for key, tensor in base.items():
             assert torch.equal(saved[key], tensor), key
 
-        # B starts at zero.
+        # Whole adapters of rank 8, the rows of the ranks' shards together
+        # (adapters that FSDP2 does not shard would be saved whole by each
+        # rank, and trained apart); B starts at zero.
         for key in adapter_keys:
-            if key.endswith(".b_proj.weight"):
+            proj_weight = base[key.rsplit(".lora.", 1)[0] + ".weight"]
+
+            if key.endswith(".a_proj.weight"):
+                assert saved[key].shape == (8, proj_weight.size(1)), key
+            else:
+                assert saved[key].shape == (proj_weight.size(0), 8), key
+
                 assert saved[key].abs().max() > 0.0, key
 
         # fairseq2 pickles the optimizer state with objects that `weights_only`
         # rejects; the file is the test's own.
-        optimizer = torch.load(step_dir / "optimizer" / "pp_00" / "tp_00" / "sdp_00.pt", map_location="cpu", weights_only=False)
+        for rank in range(nproc):
+            optimizer = torch.load(step_dir / "optimizer" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=False)
 
-        assert len(optimizer["state"]) == len(adapter_keys)
+            assert len(optimizer["state"]) == len(adapter_keys)
