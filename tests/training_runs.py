@@ -14,6 +14,9 @@ from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 
+from fairseq2.utils.structured import ValueConverter
+
+from qwen35_fs2.lora import LoraConfig, apply_lora
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
@@ -40,5 +43,39 @@ def write_scratch_run(run_dir: Path) -> Path:
     wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"name": None, "path": None, "family": "qwen35", "arch": "qwen35_tiny"}}))
+
+    return run_dir
+
+
+LORA_RUN_CONFIG = LoraConfig(target_modules=["q_proj", "o_proj", "in_proj_qkv", "in_proj_a", "down_proj"], r=3, alpha=5.0)
+"""The adapters of :func:`write_lora_run`."""
+
+
+def write_lora_run(run_dir: Path) -> Path:
+    """Writes into ``run_dir`` a training output directory of a LoRA run with
+    a checkpoint of step 2, written by fairseq2's checkpoint manager: a
+    random ``qwen35_tiny`` model with the adapters of ``LORA_RUN_CONFIG``,
+    whose ``B`` is random too (not zero, as it starts), and the ``lora``
+    section in ``config.yaml``; returns ``run_dir``."""
+    resolver = get_dependency_resolver()
+
+    config = tiny_qwen35_config()
+
+    torch.manual_seed(3)
+
+    model = create_qwen35_model(config)
+
+    for adapter in apply_lora(model, LORA_RUN_CONFIG, config).values():
+        torch.nn.init.normal_(adapter.b_proj.weight, std=0.5)
+
+    manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
+
+    manager.save_model_only(2, model, blocking=True)
+
+    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
+
+    lora = resolver.resolve(ValueConverter).unstructure(LORA_RUN_CONFIG)  # type: ignore[type-abstract]
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"model": {"name": None, "path": None, "family": "qwen35", "arch": "qwen35_tiny"}, "lora": lora}))
 
     return run_dir

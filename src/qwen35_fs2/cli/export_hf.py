@@ -5,7 +5,8 @@ repository.
 
     fairseq2 lm export_hf CHECKPOINT OUTPUT_DIR [--step N] [--base HF_DIR_OR_CARD | --no-base]
                           [--tokenizer DIR_OR_CARD] [--dtype {bfloat16,float16,float32}]
-                          [--text-only] [--max-shard-size SIZE] [--force] [--no-rich]
+                          [--text-only] [--max-shard-size SIZE] [--adapter | --merge]
+                          [--force] [--no-rich]
 
 ``CHECKPOINT`` is a fairseq2 training output directory (its latest step, or
 ``--step N``), its ``checkpoints`` directory, a ``step_N`` directory, a Hugging
@@ -16,6 +17,12 @@ a Hugging Face directory, and the card's checkpoint for a card. An export
 without a base (a model trained from scratch) ships the tokenizer the run
 trained with (or ``--tokenizer``) and generation defaults that stop at its end
 tokens.
+
+The checkpoint of a LoRA run (one with a ``lora`` section) is exported with
+``--adapter``, as a PEFT adapter directory (``adapter_config.json``,
+``adapter_model.safetensors``) whose ``base_model_name_or_path`` is the base,
+or with ``--merge``, as a whole model with the adapters merged into its
+weights in float32 and then cast to the export dtype.
 
 It runs as ``python -m qwen35_fs2.cli.export_hf`` too, which is how the
 recipes export their checkpoints during training
@@ -74,6 +81,8 @@ def main(argv: Sequence[str]) -> int:
             text_only=args.text_only,
             max_shard_size=args.max_shard_size,
             force=args.force,
+            adapter=args.adapter,
+            merge=args.merge,
         )
     except (HfExportError, CheckpointError) as ex:
         log.error("Export failed: {}", ex)
@@ -147,6 +156,20 @@ def _create_parser() -> ArgumentParser:
         default=DEFAULT_MAX_SHARD_SIZE,
         metavar="SIZE",
         help="the largest safetensors shard, e.g. 5GB (the default), 500MB or 2GiB",
+    )
+
+    lora = parser.add_mutually_exclusive_group()
+
+    lora.add_argument(
+        "--adapter",
+        action="store_true",
+        help="for a LoRA run: write its adapters as a PEFT adapter directory for the base",
+    )
+
+    lora.add_argument(
+        "--merge",
+        action="store_true",
+        help="for a LoRA run: write the model with its adapters merged (in float32, then cast to the export dtype)",
     )
 
     parser.add_argument(

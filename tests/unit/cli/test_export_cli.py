@@ -11,11 +11,14 @@ import pytest
 import torch
 import yaml
 
+from safetensors.torch import load_file
+
 from hf_reference import read_safetensors_dir
-from training_runs import write_scratch_run
+from training_runs import LORA_RUN_CONFIG, write_lora_run, write_scratch_run
 import qwen35_fs2.cli.export_hf as export_cli
 import qwen35_fs2.hf.export.checkpoint as export_checkpoint
 from qwen35_fs2.cli.export_hf import main, parse_size
+from qwen35_fs2.lora import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
@@ -23,6 +26,11 @@ from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_scratch_run(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def lora_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_lora_run(tmp_path_factory.mktemp("lora_run"))
 
 
 @pytest.fixture(autouse=True)
@@ -138,6 +146,92 @@ class TestMain:
         assert main([str(tmp_path), str(tmp_path / "out"), "--dtype", "int8"]) == 2
 
         assert main([str(tmp_path), str(tmp_path / "out"), "--base", "x", "--no-base"]) == 2
+
+        assert main([str(tmp_path), str(tmp_path / "out"), "--adapter", "--merge"]) == 2
+
+
+class TestLoraRuns:
+    def test_merge_adds_each_update_to_its_weight_in_float32_then_casts(self, lora_run_dir: Path, tmp_path: Path) -> None:
+        assert main([str(lora_run_dir), str(tmp_path / "out"), "--merge", "--dtype", "bfloat16"]) == 0
+
+        config = tiny_qwen35_config()
+
+        exported = convert_qwen35_state_dict(dict(read_safetensors_dir(tmp_path / "out")), config)
+
+        # The checkpoint file itself, read without the export's loader.
+        saved = torch.load(lora_run_dir / "checkpoints" / "step_2" / "model" / "pp_00" / "tp_00" / "sdp_00.pt", map_location="cpu", weights_only=True)
+
+        scaling = LORA_RUN_CONFIG.alpha / LORA_RUN_CONFIG.r
+
+        expected = {key: tensor for key, tensor in saved.items() if ".lora." not in key}
+
+        num_merged = 0
+
+        for key in list(expected):
+            a_key = key.removesuffix("weight") + "lora.a_proj.weight"
+
+            if a_key in saved:
+                b = saved[key.removesuffix("weight") + "lora.b_proj.weight"]
+
+                expected[key] = expected[key] + (b @ saved[a_key]) * scaling
+
+                num_merged += 1
+
+        # q_proj and o_proj of the attention layer, in_proj_qkv and in_proj_a
+        # of the three Gated DeltaNet layers, down_proj of all four.
+        assert num_merged == 2 + 2 * 3 + 4
+
+        assert exported.keys() == expected.keys()
+
+        for key, tensor in expected.items():
+            assert torch.equal(exported[key], tensor.to(torch.bfloat16)), key
+
+    def test_adapter_writes_the_peft_adapter_without_a_base(self, lora_run_dir: Path, tmp_path: Path) -> None:
+        assert main([str(lora_run_dir), str(tmp_path / "out"), "--adapter"]) == 0
+
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted([PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME])
+
+        peft_config = json.loads((tmp_path / "out" / PEFT_CONFIG_NAME).read_text())
+
+        assert peft_config["base_model_name_or_path"] is None
+        assert (peft_config["r"], peft_config["lora_alpha"]) == (LORA_RUN_CONFIG.r, LORA_RUN_CONFIG.alpha)
+        assert peft_config["target_modules"] == sorted(LORA_RUN_CONFIG.target_modules)
+
+        tensors = load_file(tmp_path / "out" / PEFT_WEIGHTS_NAME)
+
+        assert len(tensors) == 2 * (2 + 2 * 3 + 4)
+        assert "base_model.model.model.layers.3.self_attn.o_proj.lora_B.weight" in tensors
+
+    def test_fails_for_a_lora_run_without_adapter_or_merge(self, lora_run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        assert main([str(lora_run_dir), str(tmp_path / "out")]) == 1
+
+        assert "is the checkpoint of a LoRA run, so it must be exported with `--adapter`" in _errors(caplog)
+        assert not (tmp_path / "out").exists()
+
+    @pytest.mark.parametrize("flag", ["--adapter", "--merge"])
+    def test_fails_for_adapter_or_merge_on_a_run_without_lora(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, flag: str) -> None:
+        assert main([str(run_dir), str(tmp_path / "out"), flag]) == 1
+
+        assert f"CHECKPOINT must be of a LoRA run (with a `lora` section in its config.yaml) to be exported with `{flag}`, but step 4 of" in _errors(caplog)
+        assert not (tmp_path / "out").exists()
+
+    def test_fails_for_a_lora_section_that_is_no_lora_configuration(self, lora_run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        run_dir = tmp_path / "run"
+
+        run_dir.mkdir()
+
+        (run_dir / "checkpoints").symlink_to(lora_run_dir / "checkpoints")
+
+        run_config = yaml.safe_load((lora_run_dir / "config.yaml").read_text())
+
+        run_config["lora"]["r"] = 0
+
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
+
+        assert main([str(run_dir), str(tmp_path / "out"), "--adapter"]) == 1
+
+        assert "The `lora` section of" in _errors(caplog)
+        assert "`r` must be greater than 0, but is 0 instead." in _errors(caplog)
 
 
 class TestParseSize:

@@ -1,6 +1,11 @@
 """Exporting the checkpoints of training runs, Hugging Face directories and
 asset cards: finding the checkpoint, its configuration and the base it was
-trained from, then exporting it (what ``fairseq2 lm export_hf`` runs)."""
+trained from, then exporting it (what ``fairseq2 lm export_hf`` runs).
+
+The checkpoint of a LoRA run (a run whose configuration has a ``lora``
+section) holds the frozen base and the adapters; it is exported either as a
+PEFT adapter directory (``adapter=True``) or as a whole model with the
+adapters merged (``merge=True``)."""
 
 from __future__ import annotations
 
@@ -19,12 +24,18 @@ from fairseq2.device import CPU
 from fairseq2.logging import log
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily, ModelHub
+from fairseq2.models.utils.checkpoint import ModelCheckpointMismatchError, set_model_state
+from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 from fairseq2.runtime.dependency import get_dependency_resolver
+from fairseq2.utils.progress import NOOP_PROGRESS_REPORTER
+from fairseq2.utils.structured import StructureError, ValueConverter
+from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
 from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
-from qwen35_fs2.hf.export.plan import plan_hf_export
+from qwen35_fs2.hf.export.plan import check_architecture, plan_hf_export
 from qwen35_fs2.hf.export.repository import HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
+from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
 from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
@@ -64,6 +75,9 @@ class _Source:
     """The tokenizer directory the run trained with, for exports without a
     base."""
 
+    lora: LoraConfig | None = None
+    """The adapters of the checkpoint of a LoRA run."""
+
 
 def export_checkpoint(
     checkpoint: str,
@@ -77,16 +91,25 @@ def export_checkpoint(
     text_only: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     force: bool = False,
+    adapter: bool = False,
+    merge: bool = False,
 ) -> None:
     """Exports ``checkpoint`` as a Hugging Face repository at ``out_dir``:
     what ``fairseq2 lm export_hf`` does (see :mod:`qwen35_fs2.cli.export_hf`
     for the meaning of each argument).
+
+    The checkpoint of a LoRA run must be exported with ``adapter`` (its
+    adapters as a PEFT adapter directory for the base, in their dtype or
+    ``dtype``) or ``merge`` (the model with the adapters merged in float32,
+    then cast to the export dtype, as any other model).
 
     :raises CheckpointError: ``checkpoint``, ``base`` or ``tokenizer`` cannot
         be found or read.
     :raises HfExportError: the export cannot be made; nothing is written.
     """
     source = _resolve_source(checkpoint, step)
+
+    _check_lora_export(source, adapter=adapter, merge=merge)
 
     if no_base:
         base_path = None
@@ -111,27 +134,36 @@ def export_checkpoint(
 
     check_output_dir(out_dir, base=base_repo, force=force)
 
+    if adapter:
+        if text_only or tokenizer is not None:
+            raise CheckpointError(
+                "`--text-only` and `--tokenizer` are for model exports, so they must not be given with `--adapter`, but are."
+            )
+
+        _export_adapter(source, out_dir, base_repo, dtype, force)
+
+        return
+
     if base_repo is None:
         log.info("Exporting {} without a base model: text-only, with the language model alone.", source.description)  # fmt: skip
     else:
         log.info("Exporting {} with {} as base model.", source.description, base_repo.path)
 
-    load_dtype = _load_dtype(source, base_repo, dtype)
+    if merge:
+        # Every export dtype holds the float32 merge rounded once.
+        model = _load_lora_model(source, torch.float32)
 
-    hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, _asset_store()
-    )
+        state_dict = merge_lora_state_dict(model)
 
-    try:
-        model = hub.load_custom_model(source.path, source.config, device=CPU, dtype=load_dtype)
-    except CorruptModelCheckpointError as ex:
-        # fairseq2 keeps the details (which keys, which shapes) in the cause.
-        cause = "" if ex.__cause__ is None else f" {ex.__cause__}"
+        if dtype is None and base_repo is None:
+            dtype = _checkpoint_dtype(source)
+    else:
+        model = _load_model(source, _load_dtype(source, base_repo, dtype))
 
-        raise CheckpointError(f"{ex}{cause}") from ex
+        state_dict = model.state_dict()
 
     plan = plan_hf_export(
-        model.state_dict(),
+        state_dict,
         source.config,
         base=base_repo,
         dtype=dtype,
@@ -142,6 +174,97 @@ def export_checkpoint(
     write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)
 
     log.info("Hugging Face model written to {}.", out_dir)
+
+
+def _check_lora_export(source: _Source, *, adapter: bool, merge: bool) -> None:
+    if adapter and merge:
+        raise CheckpointError("`--adapter` and `--merge` must not be given together, but are.")
+
+    if source.lora is None:
+        if adapter or merge:
+            flag = "--adapter" if adapter else "--merge"
+
+            raise CheckpointError(
+                f"CHECKPOINT must be of a LoRA run (with a `lora` section in its config.yaml) to be exported with `{flag}`, but {source.description} has no LoRA adapters. Export it without `{flag}`."
+            )
+
+        return
+
+    if not (adapter or merge):
+        raise CheckpointError(
+            f"{source.description} is the checkpoint of a LoRA run, so it must be exported with `--adapter` (a PEFT adapter directory for its base) or `--merge` (the model with the adapters merged), but neither is given."
+        )
+
+
+def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, dtype: DataType | None, force: bool) -> None:
+    """Writes the adapters of the LoRA checkpoint ``source`` as a PEFT
+    adapter directory for ``base``, which must have the checkpoint's
+    architecture."""
+    assert source.lora is not None
+
+    if base is None:
+        log.info("Exporting the LoRA adapters of {} without a base model: the adapter names none.", source.description)  # fmt: skip
+    else:
+        # An adapter of another architecture fails to load, or worse, loads
+        # onto the projections of the same names and shapes.
+        check_architecture(base, source.config)
+
+        log.info("Exporting the LoRA adapters of {} for {}.", source.description, base.path)
+
+    model = _load_lora_model(source, dtype or _checkpoint_dtype(source))
+
+    save_peft_adapter(
+        model,
+        out_dir,
+        config=source.lora,
+        model_config=source.config,
+        base_model_name_or_path=None if base is None else str(base.path),
+        force=force,
+    )
+
+    log.info("PEFT adapter written to {}.", out_dir)
+
+
+def _load_model(source: _Source, dtype: DataType) -> torch.nn.Module:
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, _asset_store()
+    )
+
+    try:
+        return hub.load_custom_model(source.path, source.config, device=CPU, dtype=dtype)
+    except CorruptModelCheckpointError as ex:
+        # fairseq2 keeps the details (which keys, which shapes) in the cause.
+        cause = "" if ex.__cause__ is None else f" {ex.__cause__}"
+
+        raise CheckpointError(f"{ex}{cause}") from ex
+
+
+def _load_lora_model(source: _Source, dtype: DataType) -> torch.nn.Module:
+    """Loads the checkpoint of a LoRA run: the model with the adapters of
+    ``source.lora``, which fairseq2's loader does not know to create, put on
+    it before its state is read, as the recipe puts them on before training."""
+    assert source.lora is not None
+
+    hub: ModelHub[torch.nn.Module, object] = ModelHub(
+        source.family, _asset_store()
+    )
+
+    model = hub.create_new_model(source.config, device=CPU, dtype=dtype, meta=True)
+
+    apply_lora(model, source.lora, source.config)
+
+    to_empty(model, CPU)
+
+    try:
+        set_model_state(model, hub.iter_checkpoint(source.path, source.config, mmap=True), NOOP_PROGRESS_REPORTER)
+    except ModelCheckpointMismatchError as ex:
+        raise CheckpointError(
+            f"The checkpoint of {source.description} must hold the model with the LoRA adapters of its run's `lora` section, but does not: {ex}"
+        ) from ex
+
+    reset_non_persistent_buffers(model)
+
+    return model
 
 
 def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | None) -> DataType:
@@ -160,6 +283,12 @@ def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | No
 
         return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
+    return _checkpoint_dtype(source)
+
+
+def _checkpoint_dtype(source: _Source) -> DataType:
+    """Returns the dtype of the first floating-point tensor of the
+    checkpoint of ``source``."""
     hub: ModelHub[torch.nn.Module, object] = ModelHub(
         source.family, _asset_store()
     )
@@ -290,8 +419,10 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
 
+    lora = _run_lora(run_dir) if (run_dir / "config.yaml").is_file() else None
+
     return _Source(
-        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer
+        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora
     )
 
 
@@ -469,6 +600,33 @@ def _run_tokenizer_dir(run_dir: Path) -> Path | None:
         return None
 
     return _tokenizer_dir_of_card(card)
+
+
+def _run_lora(run_dir: Path) -> LoraConfig | None:
+    """Returns the ``lora`` section of a training run's ``config.yaml``;
+    ``None`` if the run trained no adapters."""
+    config_file = run_dir / "config.yaml"
+
+    try:
+        run_config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as ex:
+        raise CheckpointError(f"{config_file} cannot be read: {ex}") from None
+
+    section = run_config.get("lora") if isinstance(run_config, dict) else None
+
+    if section is None:
+        return None
+
+    value_converter = get_dependency_resolver().resolve(ValueConverter)  # type: ignore[type-abstract]
+
+    try:
+        lora = value_converter.structure(section, LoraConfig)
+
+        StandardObjectValidator().validate(lora)
+    except (StructureError, ValidationError) as ex:
+        raise CheckpointError(f"The `lora` section of {config_file} must be a LoRA configuration, but is not: {ex}") from None
+
+    return lora
 
 
 def _run_base(run_dir: Path) -> Path | None:

@@ -178,7 +178,7 @@ def plan_hf_export(
     base_entries: dict[str, SafetensorsTensor] = {}
 
     if base is not None:
-        _check_architecture(base, config)
+        check_architecture(base, config)
 
         base_entries = _match_base_tensors(tensors, base, is_vlm)
 
@@ -319,7 +319,9 @@ def _to_vlm_key(key: str) -> str:
     return key
 
 
-def _check_architecture(base: HfRepository, config: Qwen35Config) -> None:
+def check_architecture(base: HfRepository, config: Qwen35Config) -> None:
+    """Raises :class:`HfExportError` unless ``base`` has the architecture of
+    ``config``: the same family and the same tensor shapes and layers."""
     kind = "Qwen3.5-MoE" if isinstance(config, Qwen35MoeConfig) else "dense Qwen3.5"
 
     try:

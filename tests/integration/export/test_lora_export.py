@@ -1,0 +1,200 @@
+"""``fairseq2 lm export_hf --adapter`` and ``--merge`` on the checkpoint of
+a LoRA run whose base is a transformers-made bf16 checkpoint: the PEFT
+adapter gives our LoRA model's logits in ``PeftModel``, the merged model is
+the float32 merge cast to bf16 bit for bit and gives our logits in
+transformers, and a base of another architecture is refused."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from torch.nn import Module
+
+import qwen35_fs2.cli.export_hf as export_cli
+from export_testing import INPUT_IDS, fairseq2_logits
+from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
+from fairseq2.device import CPU
+from fairseq2.gang import create_fake_gangs
+from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
+from fairseq2.utils.structured import ValueConverter
+from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
+from hf_reference.fixtures import TinyModelCache
+from qwen35_fs2 import load_hf_model
+from qwen35_fs2.cli.export_hf import main
+from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.lora import LORA_TARGET_MODULES, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, LoraConfig, apply_lora
+
+pytestmark = pytest.mark.slow
+
+# bf16, so that the default merged export rounds the float32 merge once; two
+# key heads with two value heads each (the key-head grouping of
+# `in_proj_qkv` rows is not the identity); both mixers; GQA.
+_BASE = TinyQwen35Spec(
+    layout="text",
+    dtype="bfloat16",
+    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    seed=21,
+    initializer_range=0.02,
+)
+
+_WIDE_BASE = TinyQwen35Spec(layout="text", dtype="bfloat16", hidden_size=96, seed=22)
+"""Like ``_BASE`` but 96 wide: a base of another architecture."""
+
+_LORA = LoraConfig(target_modules=list(LORA_TARGET_MODULES), r=4, alpha=8.0, rslora=True)
+
+# The PEFT keys of the transformers model's projections.
+_PEFT_PREFIX = "base_model.model."
+
+
+@pytest.fixture(autouse=True)
+def keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `main` configures the process's logging, which would drop caplog's handler.
+    monkeypatch.setattr(export_cli, "configure_logging", lambda no_rich: None)
+
+
+@pytest.fixture(scope="module")
+def bases(hf_tiny_models: TinyModelCache) -> dict[str, Path]:
+    base, wide = hf_tiny_models.get_many([_BASE, _WIDE_BASE])
+
+    return {"base": base, "wide": wide}
+
+
+@pytest.fixture(scope="module")
+def lora_run(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Module]:
+    """A LoRA run's output directory as the recipe leaves it (a checkpoint
+    of the float32 model with adapters on every target, saved by fairseq2's
+    checkpoint manager, and ``config.yaml`` with ``model.path`` and the
+    ``lora`` section), its adapters random (B too, which training moves
+    from zero); returns it and the model."""
+    base_dir = bases["base"]
+
+    run_dir = tmp_path_factory.mktemp("lora_run")
+
+    resolver = get_dependency_resolver()
+
+    config = qwen35_config_from_hf(load_hf_config(base_dir))
+
+    model = load_hf_model(base_dir, dtype=torch.float32)
+
+    generator = torch.Generator().manual_seed(1)
+
+    with torch.no_grad():
+        for adapter in apply_lora(model, _LORA, config).values():
+            for proj in (adapter.a_proj, adapter.b_proj):
+                proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=generator))
+
+    manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
+
+    manager.save_model_only(3, model, blocking=True)
+
+    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
+
+    lora = resolver.resolve(ValueConverter).unstructure(_LORA)  # type: ignore[type-abstract]
+
+    run_config = {"model": {"name": None, "path": str(base_dir), "family": "qwen35", "dtype": "float32"}, "lora": lora}
+
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
+
+    return run_dir, model
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(lora_run: tuple[Path, Module], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir, _ = lora_run
+
+    out_dir = tmp_path_factory.mktemp("exports") / "adapter"
+
+    assert main([str(run_dir), str(out_dir), "--adapter"]) == 0
+
+    return out_dir
+
+
+def test_adapter_names_the_base_and_gives_our_logits_in_peft(bases: dict[str, Path], lora_run: tuple[Path, Module], adapter_dir: Path) -> None:
+    _, model = lora_run
+
+    peft_config = json.loads((adapter_dir / PEFT_CONFIG_NAME).read_text())
+
+    assert peft_config["base_model_name_or_path"] == str(bases["base"])
+
+    batch = HfReferenceBatch()
+
+    expected = batch.logits(bases["base"], INPUT_IDS, adapter_dir=adapter_dir)
+
+    base = batch.logits(bases["base"], INPUT_IDS)
+
+    batch.run()
+
+    assert (fairseq2_logits(model) - expected.result()).abs().max().item() <= 2e-5
+
+    # The adapters change the logits far beyond the tolerance.
+    assert (expected.result() - base.result()).abs().max().item() > 1e-2
+
+
+def test_merge_is_the_float32_merge_cast_to_the_base_dtype_and_gives_our_logits(bases: dict[str, Path], lora_run: tuple[Path, Module], adapter_dir: Path, tmp_path: Path) -> None:
+    run_dir, model = lora_run
+
+    assert main([str(run_dir), str(tmp_path / "bf16"), "--merge"]) == 0
+    assert main([str(run_dir), str(tmp_path / "fp32"), "--merge", "--dtype", "float32"]) == 0
+
+    base = read_safetensors_dir(bases["base"])
+
+    merged = read_safetensors_dir(tmp_path / "bf16")
+
+    assert merged.keys() == base.keys()
+
+    # Merged independently of the export: the base's weights and the PEFT
+    # adapter's A and B (in the Hugging Face row order, which PEFT checks
+    # above), in float32, as PEFT scales them.
+    peft_tensors = load_file(adapter_dir / PEFT_WEIGHTS_NAME)
+
+    scaling = _LORA.alpha / _LORA.r**0.5
+
+    num_merged = 0
+
+    for key, tensor in base.items():
+        a = peft_tensors.get(_PEFT_PREFIX + key.removesuffix("weight") + "lora_A.weight")
+
+        if a is None:
+            expected = tensor
+        else:
+            b = peft_tensors[_PEFT_PREFIX + key.removesuffix("weight") + "lora_B.weight"]
+
+            expected = (tensor.float() + (b.float() @ a.float()) * scaling).to(torch.bfloat16)
+
+            num_merged += 1
+
+        assert merged[key].dtype == torch.bfloat16
+        assert torch.equal(merged[key], expected), key
+
+    assert num_merged == len(peft_tensors) // 2 == 2 * (5 + 3) + 2 * (4 + 3)
+
+    batch = HfReferenceBatch()
+
+    logits = batch.logits(tmp_path / "fp32", INPUT_IDS)
+
+    batch.run()
+
+    assert (fairseq2_logits(model) - logits.result()).abs().max().item() <= 2e-5
+
+
+@pytest.mark.parametrize("flag", ["--adapter", "--merge"])
+def test_fails_for_a_base_of_another_architecture_and_leaves_nothing(bases: dict[str, Path], lora_run: tuple[Path, Module], tmp_path: Path, caplog: pytest.LogCaptureFixture, flag: str) -> None:
+    run_dir, _ = lora_run
+
+    assert main([str(run_dir), str(tmp_path / "out"), flag, "--base", str(bases["wide"])]) == 1
+
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+    assert len(errors) == 1
+    assert "must have the architecture of the exported model" in errors[0]
+    assert "hidden_size (base: 96, model: 64)" in errors[0]
+
+    assert list(tmp_path.iterdir()) == []
