@@ -2,12 +2,16 @@
 a LoRA run whose base is a transformers-made bf16 checkpoint: the PEFT
 adapter gives our LoRA model's logits in ``PeftModel``, the merged model is
 the float32 merge cast to bf16 bit for bit and gives our logits in
-transformers, and a base of another architecture is refused."""
+transformers, and a base of another architecture is refused. Then the same
+for the adapter of a real LoRA SFT run (``fairseq2 lm instruction_finetune``
+on CPU)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +202,95 @@ def test_fails_for_a_base_of_another_architecture_and_leaves_nothing(bases: dict
     assert "hidden_size (base: 96, model: 64)" in errors[0]
 
     assert list(tmp_path.iterdir()) == []
+
+
+# The `qwen35_demo` arch (the real vocabulary, 128 wide, tied), text-only
+# and fp32, as transformers 5.24 writes it.
+_RUN_BASE = TinyQwen35Spec(
+    layout="text",
+    tie_word_embeddings=True,
+    vocab_size=248_320,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=32,
+    linear_value_head_dim=32,
+    intermediate_size=384,
+    seed=23,
+)
+
+
+def test_adapter_of_a_real_lora_sft_run_gives_its_logits_in_peft(hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
+    base_dir = hf_tiny_models.get(_RUN_BASE)
+
+    lora = {"target_modules": list(LORA_TARGET_MODULES), "r": 4, "alpha": 8.0}
+
+    # Two fp32 steps, at a learning rate that moves B well away from zero.
+    config = {
+        "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
+        "dataset": {
+            "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
+            "valid": [],
+            "max_seq_len": 128,
+            "max_num_tokens": 256,
+            "packing": True,
+            "prefetch": 1,
+        },
+        "tokenizer": {"name": "qwen35_tokenizer"},
+        "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
+        "optimizer": {"name": "adamw", "config": {"lr": 1e-2, "weight_decay": 0.0}},
+        "regime": {"num_steps": 2, "checkpoint_every_n_steps": 2, "publish_metrics_every_n_steps": 1},
+        "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
+        "lora": lora,
+    }
+
+    config_file = tmp_path / "lora.yaml"
+
+    config_file.write_text(yaml.safe_dump(config))
+
+    run_dir = tmp_path / "run"
+
+    command = [str(Path(sys.executable).with_name("fairseq2")), "lm", "instruction_finetune", str(run_dir), "--config", str(config_file), "--no-rich"]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+
+    assert result.returncode == 0, result.stderr[-5000:]
+
+    assert main([str(run_dir), str(tmp_path / "adapter"), "--adapter"]) == 0
+
+    assert json.loads((tmp_path / "adapter" / PEFT_CONFIG_NAME).read_text())["base_model_name_or_path"] == str(base_dir)
+
+    # Our LoRA model: the base, with the adapters as the run saved them, read
+    # from its checkpoint file without the export's loader.
+    (checkpoint_dir,) = run_dir.glob("*/checkpoints")
+
+    saved = torch.load(checkpoint_dir / "step_2" / "model" / "pp_00" / "tp_00" / "sdp_00.pt", map_location="cpu", weights_only=True)
+
+    model = load_hf_model(base_dir, dtype=torch.float32)
+
+    apply_lora(model, LoraConfig(**lora), qwen35_config_from_hf(load_hf_config(base_dir)))
+
+    adapter_state = {key: tensor for key, tensor in saved.items() if ".lora." in key}
+
+    # Three Gated DeltaNet layers (5 targets) and an attention layer (4), each
+    # with an MLP (3).
+    assert len(adapter_state) == 2 * (3 * (5 + 3) + (4 + 3))
+    assert all(tensor.abs().max() > 0.0 for key, tensor in adapter_state.items())
+
+    model.load_state_dict(adapter_state, strict=False)
+
+    batch = HfReferenceBatch()
+
+    expected = batch.logits(base_dir, INPUT_IDS, adapter_dir=tmp_path / "adapter")
+
+    base = batch.logits(base_dir, INPUT_IDS)
+
+    batch.run()
+
+    assert (fairseq2_logits(model) - expected.result()).abs().max().item() <= 2e-5
+
+    # Two steps of training moved the logits beyond the tolerance.
+    assert (expected.result() - base.result()).abs().max().item() > 1e-3
