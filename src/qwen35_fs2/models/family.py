@@ -55,7 +55,7 @@ from fairseq2.runtime.dependency import (
 from fairseq2.utils.validation import ValidationError
 
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.hf.config import adopt_hf_architecture, qwen35_config_from_hf
+from qwen35_fs2.hf.config import adopt_hf_architecture, drop_absent_mtp_head, qwen35_config_from_hf
 from qwen35_fs2.hf.config import find_checkpoint_hf_config, load_hf_config
 from qwen35_fs2.models.qwen35.interop import is_hg_state_dict
 from qwen35_fs2.hf.sharded_loading import allocate_shards, load_hf_checkpoint_shards
@@ -135,6 +135,15 @@ class Qwen35ModelFamily(StandardModelFamily):  # type: ignore[misc]
         if type(checkpoint_config) is not type(config):
             raise AssetCardError(
                 card.name, f"{config_file}, the config.json of the checkpoint of the {card.name} asset card, must describe a model of the {self.name} family, but describes a `{type(checkpoint_config).__name__}` instead."
+            )
+
+        checkpoint_dir = config_file.parent
+
+        # The safetensors next to the config.json: a local checkpoint, or the
+        # Hub cache once fairseq2 downloaded them.
+        if any(checkpoint_dir.glob("*.safetensors")):
+            checkpoint_config = drop_absent_mtp_head(
+                checkpoint_config, index_safetensors(checkpoint_dir).keys(), checkpoint_dir
             )
 
         config, changes = adopt_hf_architecture(config, checkpoint_config)
