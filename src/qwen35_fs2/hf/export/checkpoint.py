@@ -21,10 +21,11 @@ from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily, ModelHub
 from fairseq2.runtime.dependency import get_dependency_resolver
 
-from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
 from qwen35_fs2.hf.export.plan import plan_hf_export
 from qwen35_fs2.hf.export.repository import HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
+from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
 from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
@@ -75,6 +76,7 @@ def export_checkpoint(
     tokenizer: str | None = None,
     dtype: DataType | None = None,
     text_only: bool = False,
+    keep_base_mtp: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     force: bool = False,
 ) -> None:
@@ -137,6 +139,7 @@ def export_checkpoint(
         dtype=dtype,
         text_only=text_only,
         tokenizer_dir=tokenizer_dir,
+        keep_base_mtp=keep_base_mtp,
     )
 
     write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)
@@ -300,6 +303,13 @@ def _hf_source(path: Path) -> _Source:
         config = qwen35_config_from_hf(load_hf_config(path))
     except (FileNotFoundError, ValueError) as ex:
         raise CheckpointError(f"{path} is not a Qwen3.5 Hugging Face model: {ex}") from None
+
+    try:
+        keys = index_safetensors(path).keys()
+    except CorruptModelCheckpointError as ex:
+        raise CheckpointError(str(ex)) from None
+
+    config = drop_absent_mtp_head(config, keys, path)
 
     family_name = _family_name_of(config)
 
