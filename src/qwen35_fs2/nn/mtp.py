@@ -8,7 +8,8 @@ predicts token ``t+2`` through the model's own output projection.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import final
 
 import torch
@@ -19,6 +20,19 @@ from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.nn import BatchLayout, LayerNorm, Projection
 
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
+
+
+@final
+@dataclass(frozen=True)
+class MtpLoss:
+    """The loss of the MTP head on one batch."""
+
+    nll_loss: Tensor
+    """The summed cross entropy of the head's predictions (a scalar)."""
+
+    num_targets: Tensor
+    """The number of tokens it predicted: those two positions ahead in the
+    same document, not padding, and in the target mask (a scalar)."""
 
 
 @final
@@ -67,6 +81,36 @@ class Qwen35MultiTokenPredictor(Module):
 
         self.layer_norm = layer_norm
 
+        self._batch_layout: BatchLayout | None = None
+
+        self._loss: MtpLoss | None = None
+
+    def set_batch_layout(self, seqs_layout: BatchLayout) -> None:
+        """Records the layout of the model's input, for a loss computed from
+        the trunk's output (:func:`pass_batch_layout_to_mtp`)."""
+        self._batch_layout = seqs_layout
+
+    def pop_batch_layout(self) -> BatchLayout:
+        """Returns and clears the layout of :meth:`set_batch_layout`."""
+        seqs_layout, self._batch_layout = self._batch_layout, None
+
+        if seqs_layout is None:
+            raise RuntimeError(
+                "The MTP head has no batch layout. Register `pass_batch_layout_to_mtp` as a forward pre-hook of the model."
+            )
+
+        return seqs_layout
+
+    def set_loss(self, loss: MtpLoss) -> None:
+        self._loss = loss
+
+    def pop_loss(self) -> MtpLoss | None:
+        """Returns and clears the loss of the last forward pass, ``None`` if
+        none was computed."""
+        loss, self._loss = self._loss, None
+
+        return loss
+
     def forward(self, hidden: Tensor, next_embeds: Tensor, seqs_layout: BatchLayout) -> Tensor:
         """
         :param hidden: The trunk's output at each position (after its final
@@ -95,3 +139,80 @@ class Qwen35MultiTokenPredictor(Module):
             seqs = layer(seqs, seqs_layout, attn_bias_cache)
 
         return self.layer_norm(seqs)  # type: ignore[no-any-return]
+
+
+def pass_batch_layout_to_mtp(
+    model: Module, args: tuple[object, ...], kwargs: Mapping[str, object]
+) -> None:
+    """A forward pre-hook for models with an MTP head (``model.mtp``): hands
+    the head the layout of the model's input, which a loss computed from the
+    trunk's output (``TransformerLM.compute_fused_loss``) is not given.
+
+    A module-level function, not a closure, so that copies of the model
+    (``deepcopy``, pickling) keep working hooks.
+    """
+    seqs_layout = args[1] if len(args) > 1 else kwargs.get("seqs_layout")
+
+    if not isinstance(seqs_layout, BatchLayout):
+        raise TypeError(
+            f"The second argument of the model must be a `BatchLayout`, but is of type `{type(seqs_layout).__name__}` instead."
+        )
+
+    mtp = model.mtp
+
+    if not isinstance(mtp, Qwen35MultiTokenPredictor):
+        raise TypeError(
+            f"`model.mtp` must be a `Qwen35MultiTokenPredictor`, but is of type `{type(mtp).__name__}` instead."
+        )
+
+    mtp.set_batch_layout(seqs_layout)
+
+
+def find_mtp(model: Module) -> Qwen35MultiTokenPredictor | None:
+    """Returns the MTP head of ``model`` through activation-checkpoint, FSDP,
+    DDP and ``torch.compile`` wrappers, ``None`` if it has none."""
+    for module in model.modules():
+        if isinstance(module, Qwen35MultiTokenPredictor):
+            return module
+
+    return None
+
+
+def mtp_target_mask(seqs_layout: BatchLayout, target_mask: Tensor | None) -> Tensor:
+    """Returns where the MTP head has a target, for the targets ``targets``
+    of an auto-regressive batch (``targets[t]`` follows input ``t``): at
+    input position ``t`` it predicts ``targets[t + 1]``, which counts if
+
+    - position ``t + 1`` is in the document of ``t`` (not the next document,
+      not padding), and
+    - ``targets[t + 1]`` itself is: in a packed batch the target of a
+      document's last position is the next document's first token;
+    - ``target_mask[t + 1]`` is ``True``, if given (the response tokens in
+      SFT).
+
+    Targets equal to the pad index are left to the loss, as in the LM loss.
+
+    :param target_mask: *Shape:* that of the batch.
+    :returns: A boolean mask of the shape of the batch.
+    """
+    positions = seqs_layout.position_indices  # -1 at pads
+
+    pads = positions.new_full((*positions.shape[:-1], 2), -1)
+
+    # The positions of t + 1 and t + 2, with -1 past the end.
+    next_positions = torch.cat([positions[..., 1:], pads[..., :1]], dim=-1)
+    next_next_positions = torch.cat([positions[..., 2:], pads], dim=-1)[..., : positions.size(-1)]
+
+    mask = (next_positions == positions + 1) & (next_next_positions != 0)
+
+    if target_mask is not None:
+        mask = mask & torch.cat([target_mask[..., 1:], target_mask.new_zeros(mask[..., :1].shape)], dim=-1)
+
+    return mask
+
+
+def shift_mtp_targets(targets: Tensor) -> Tensor:
+    """Returns the MTP head's target at each position, ``targets[t + 1]``
+    (the last position's is a repeat, never counted by
+    :func:`mtp_target_mask`)."""
+    return torch.cat([targets[..., 1:], targets[..., -1:]], dim=-1)

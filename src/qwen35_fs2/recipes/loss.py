@@ -43,10 +43,20 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from torch.nn import Module
+
+from fairseq2.error import InternalError
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.nn import ColumnShardedLinear, Linear, Projection, TiedProjection
+from fairseq2.nn import BatchLayout, ColumnShardedLinear, Linear, Projection, TiedProjection
 from fairseq2.nn.functional import cross_entropy
 
+from qwen35_fs2.nn.mtp import (
+    MtpLoss,
+    Qwen35MultiTokenPredictor,
+    mtp_target_mask,
+    pass_batch_layout_to_mtp,
+    shift_mtp_targets,
+)
 from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
 
 DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
@@ -477,10 +487,17 @@ def _count_loss_targets(
 
 
 def install_chunked_lm_loss(
-    model: TransformerLM, *, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    model: TransformerLM, *, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, mtp_loss: bool = False
 ) -> TransformerLM:
     """Makes ``model(seqs, layout, targets, ...)`` compute its loss with
     :func:`chunked_cross_entropy`, and returns ``model``.
+
+    With ``mtp_loss``, the same call computes the loss of the model's MTP
+    head too (:func:`compute_mtp_loss`), which
+    :meth:`~qwen35_fs2.nn.mtp.Qwen35MultiTokenPredictor.pop_loss` then
+    returns: the model's return value stays its next-token loss. It runs in
+    the model's forward pass, so that FSDP, DDP and autocast treat the head
+    as the rest of the model.
 
     The training recipes install it on the model they train
     (:func:`~qwen35_fs2.recipes.common.setup_lm_loss`); call it on a model
@@ -490,7 +507,16 @@ def install_chunked_lm_loss(
     :class:`TransformerLM` is final, so its ``compute_fused_loss`` is replaced
     on the instance, as fairseq2's own ``compile_loss`` does.
     """
-    loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size)
+    if mtp_loss:
+        if not isinstance(getattr(model, "mtp", None), Qwen35MultiTokenPredictor):
+            raise ValueError(
+                "`model` must have an MTP head (`model.mtp`) when `mtp_loss` is `True`, but has none. Build it with `mtp_num_layers: 1`."
+            )
+
+        # The loss gets the trunk's output, but the head needs the layout.
+        model.register_forward_pre_hook(pass_batch_layout_to_mtp, with_kwargs=True)
+
+    loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size, mtp_loss=mtp_loss)
 
     model.compute_fused_loss = MethodType(loss_fn, model)  # type: ignore[method-assign]
 
@@ -506,8 +532,9 @@ def _compute_chunked_fused_loss(
     target_mask: Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     chunk_size: int,
+    mtp_loss: bool,
 ) -> Tensor:
-    return chunked_cross_entropy(
+    loss = chunked_cross_entropy(
         decoder_output,
         model.final_proj,
         targets,
@@ -517,3 +544,74 @@ def _compute_chunked_fused_loss(
         reduction=reduction,
         chunk_size=chunk_size,
     )
+
+    if mtp_loss:
+        mtp = model.mtp
+
+        if not isinstance(mtp, Qwen35MultiTokenPredictor):
+            raise InternalError(f"`model.mtp` is of type `{type(mtp)}`.")
+
+        mtp.set_loss(
+            compute_mtp_loss(
+                model,
+                mtp,
+                decoder_output,
+                mtp.pop_batch_layout(),
+                targets,
+                target_mask,
+                label_smoothing=label_smoothing,
+                chunk_size=chunk_size,
+            )
+        )
+
+    return loss
+
+
+def compute_mtp_loss(
+    model: TransformerLM,
+    mtp: Qwen35MultiTokenPredictor,
+    decoder_output: Tensor,
+    seqs_layout: BatchLayout,
+    targets: Tensor,
+    target_mask: Tensor | None,
+    *,
+    label_smoothing: float = 0.0,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+) -> MtpLoss:
+    """Returns the summed cross entropy of the MTP head's predictions of the
+    token after next: at position ``t`` the head takes the trunk's output
+    and the embedding of ``targets[t]`` and predicts ``targets[t + 1]``,
+    counted only within a document, outside padding and inside
+    ``target_mask`` (:func:`~qwen35_fs2.nn.mtp.mtp_target_mask`).
+
+    :param decoder_output: The trunk's output on the input of
+        ``seqs_layout``. *Shape:* :math:`(N,S,M)`, or :math:`(S,M)` if
+        packed.
+    :param targets: The next-token targets. *Shape:* :math:`(N,S)`, or
+        :math:`(S)` if packed.
+    """
+    embed = model.decoder_frontend.embed  # type: ignore[union-attr]
+
+    if not isinstance(embed, Module):
+        raise InternalError(f"`model.decoder_frontend.embed` is of type `{type(embed)}`.")
+
+    mtp_output = mtp(decoder_output, embed(targets), seqs_layout)
+
+    mtp_targets = shift_mtp_targets(targets)
+
+    mtp_mask = mtp_target_mask(seqs_layout, target_mask)
+
+    nll_loss = chunked_cross_entropy(
+        mtp_output,
+        model.final_proj,
+        mtp_targets,
+        model.pad_idx,
+        label_smoothing=label_smoothing,
+        target_mask=mtp_mask,
+        reduction="sum",
+        chunk_size=chunk_size,
+    )
+
+    num_targets = _count_loss_targets(mtp_targets.flatten(), model.pad_idx, mtp_mask.flatten())
+
+    return MtpLoss(nll_loss, num_targets)
