@@ -34,6 +34,11 @@ class MtpLoss:
     """The number of tokens it predicted: those two positions ahead in the
     same document, not padding, and in the target mask (a scalar)."""
 
+    num_accepted: Tensor | None = None
+    """Of those, the number of positions whose greedy draft equals the
+    trunk's greedy token at the next position: what one-step MTP
+    speculative decoding accepts (a scalar); computed in evaluation only."""
+
 
 @final
 class Qwen35MultiTokenPredictor(Module):

@@ -254,6 +254,7 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
         container.collection.register_instance(MetricDescriptor, descriptor)
 
     register("mtp_loss", "MTP Loss", 104, format_as_float)
+    register("mtp_acceptance", "MTP Acceptance", 104, format_as_float)
     register("aux_loss", "Auxiliary Loss", 105, format_as_float)
     register("moe_max_tokens_per_expert", "Most Tokens of an Expert", 106, format_as_int)
     register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)
@@ -375,7 +376,11 @@ class LMLossComputer:
         self._mtp = find_mtp(model) if mtp_loss_weight > 0.0 else None
         self._mtp_loss_weight = mtp_loss_weight
 
-    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+    def prepare_metric_bag(self, metric_bag: MetricBag, *, evaluation: bool = False) -> None:
+        """
+        :param evaluation: If ``True``, the bag of an evaluation, in which
+            the MTP head's acceptance is measured too.
+        """
         add_nll_loss_metric(metric_bag)
 
         add_seq_batch_metrics(metric_bag)
@@ -383,6 +388,10 @@ class LMLossComputer:
         if self._mtp is not None:
             # Per MTP target.
             metric_bag.add("mtp_loss", Mean())
+
+            if evaluation:
+                # Per MTP target; computed by the model in evaluation mode.
+                metric_bag.add("mtp_acceptance", Mean())
 
         if self._aux_loss_fn is not None:
             metric_bag.add("aux_loss", Mean())
@@ -427,6 +436,12 @@ class LMLossComputer:
             mean_mtp_loss = mtp_loss.nll_loss / num_mtp_targets
 
             metric_bag.get("mtp_loss", Mean).update(mean_mtp_loss.detach(), weight=mtp_loss.num_targets)
+
+            # Measured in evaluation mode, where the bag has the metric.
+            if mtp_loss.num_accepted is not None:
+                metric_bag.get("mtp_acceptance", Mean).update(
+                    mtp_loss.num_accepted / num_mtp_targets, weight=mtp_loss.num_targets
+                )
 
             # A mean over the MTP targets, weighted relative to the mean
             # next-token loss as `loss` is normalized after the backward pass.
@@ -489,7 +504,7 @@ class LMLossEvalUnit(EvalUnit[SequenceBatch]):
 
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
-        self._loss_computer.prepare_metric_bag(metric_bag)
+        self._loss_computer.prepare_metric_bag(metric_bag, evaluation=True)
 
     @override
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:

@@ -561,6 +561,7 @@ def _compute_chunked_fused_loss(
                 target_mask,
                 label_smoothing=label_smoothing,
                 chunk_size=chunk_size,
+                acceptance=not model.training,
             )
         )
 
@@ -577,6 +578,7 @@ def compute_mtp_loss(
     *,
     label_smoothing: float = 0.0,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    acceptance: bool = False,
 ) -> MtpLoss:
     """Returns the summed cross entropy of the MTP head's predictions of the
     token after next: at position ``t`` the head takes the trunk's output
@@ -589,6 +591,10 @@ def compute_mtp_loss(
         packed.
     :param targets: The next-token targets. *Shape:* :math:`(N,S)`, or
         :math:`(S)` if packed.
+    :param acceptance: If ``True``, also counts the positions whose greedy
+        draft the trunk's greedy token at the next position accepts
+        (:attr:`MtpLoss.num_accepted`), from the logits of ``chunk_size``
+        tokens at a time.
     """
     embed = model.decoder_frontend.embed  # type: ignore[union-attr]
 
@@ -614,4 +620,30 @@ def compute_mtp_loss(
 
     num_targets = _count_loss_targets(mtp_targets.flatten(), model.pad_idx, mtp_mask.flatten())
 
-    return MtpLoss(nll_loss, num_targets)
+    if not acceptance:
+        return MtpLoss(nll_loss, num_targets)
+
+    with torch.no_grad():
+        drafts = _greedy_tokens(mtp_output, model.final_proj, chunk_size)
+
+        # The trunk's greedy token at t + 1 verifies the draft of t.
+        verified = shift_mtp_targets(_greedy_tokens(decoder_output, model.final_proj, chunk_size))
+
+        counted = mtp_mask if model.pad_idx is None else mtp_mask & mtp_targets.ne(model.pad_idx)
+
+        num_accepted = (drafts.eq(verified) & counted).sum()
+
+    return MtpLoss(nll_loss, num_targets, num_accepted)
+
+
+def _greedy_tokens(hidden: Tensor, final_proj: Projection, chunk_size: int) -> Tensor:
+    """Returns the most likely token at each position of ``hidden``, from the
+    logits of at most ``chunk_size`` positions at once."""
+    flat_hidden = hidden.flatten(0, -2)
+
+    tokens = [
+        final_proj(flat_hidden[begin : begin + chunk_size]).argmax(-1)
+        for begin in range(0, flat_hidden.size(0), chunk_size)
+    ]
+
+    return torch.cat(tokens).view(hidden.shape[:-1])

@@ -1,7 +1,7 @@
 """SFT trains the MTP head with the model: its loss is reported as its own
-metric, in training and validation, and falls; with FSDP2 over two
-processes (the head in the root unit, its loss in the model's forward
-pass)."""
+metric, in training and validation, and falls, and validation measures
+the head's acceptance; with FSDP2 over two processes (the head in the root
+unit, its loss in the model's forward pass)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,8 @@ def test_sft_trains_the_mtp_head_with_fsdp2_and_reports_its_loss(tmp_path: Path)
     valid = read_metrics(output_dir, "valid")
 
     assert valid[6]["MTP Loss"] > 0.0
+
+    # Measured in validation only.
+    assert 0.0 <= valid[6]["MTP Acceptance"] <= 1.0
+
+    assert "MTP Acceptance" not in train[6]

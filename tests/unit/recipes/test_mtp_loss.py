@@ -266,3 +266,75 @@ class TestMtpLossInRecipes:
         result = LMLossSection(mtp_loss_weight=-0.1).validate()
 
         assert "`mtp_loss_weight` must be greater than or equal to 0, but is -0.1 instead." in str(result)
+
+
+class TestMtpAcceptance:
+    def test_counts_the_drafts_the_trunks_next_greedy_token_accepts_in_evaluation(self) -> None:
+        model = _model().eval()
+
+        # Two tokens dominate the (tied) output projection, so that drafts
+        # and the trunk's tokens agree at some positions and not at others.
+        with torch.no_grad():
+            embed = model.decoder_frontend.embed.weight
+
+            embed.mul_(0.01)
+
+            embed[1:3] = torch.randn(2, embed.size(1), generator=torch.Generator().manual_seed(1))
+
+        batch = _packed_batch(masked=True)
+
+        metric_bag = MetricBag(CPU)
+
+        computer = LMLossComputer(model, mtp_loss_weight=0.1)
+
+        setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.1))
+
+        computer.prepare_metric_bag(metric_bag, evaluation=True)
+
+        with torch.no_grad():
+            # Small chunks: the greedy tokens are taken chunk by chunk.
+            install_chunked_lm_loss(model, chunk_size=4, mtp_loss=True)
+
+            computer(batch, metric_bag)
+
+            # Independently: per document, the head's draft at i (from the
+            # trunk at i and d[i + 1]) against the trunk's greedy token at
+            # i + 1, where d[i + 2] is a target.
+            input_batch, _ = batch.as_auto_regressive()
+
+            seqs, seqs_layout = input_batch.as_input()
+
+            lm_greedy = model(seqs, seqs_layout).argmax(-1)
+
+            embeds, _ = model.decoder_frontend(seqs, seqs_layout)
+
+            hidden = model.decoder(embeds, seqs_layout)
+
+            next_seqs = torch.cat([seqs[1:], seqs[:1]])
+
+            drafts = model.final_proj(model.mtp(hidden, model.decoder_frontend.embed(next_seqs), seqs_layout)).argmax(-1)
+
+        accepted, counted, start = 0, 0, 0
+
+        for doc, doc_mask in zip(_DOCS, _DOC_MASKS):
+            for i in range(len(doc) - 2):
+                if doc_mask[i + 2]:
+                    counted += 1
+
+                    accepted += int(drafts[start + i] == lm_greedy[start + i + 1])
+
+            start += len(doc)
+
+        assert counted > 0
+
+        assert 0 < accepted < counted, (accepted, counted)
+
+        assert metric_bag.get("mtp_acceptance", Mean).compute() == pytest.approx(accepted / counted)
+
+    def test_is_not_measured_in_training(self) -> None:
+        model = _model()
+
+        with torch.no_grad():
+            loss = _model_mtp_loss(model, _packed_batch(masked=True))
+
+        assert loss.num_accepted is None
