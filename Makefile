@@ -7,6 +7,9 @@ BIN := $(VENV)/bin
 # the tests run it from an isolated overlay in a subprocess.
 HF_REFERENCE_DIR ?= .cache/hf-reference
 HF_REFERENCE_VERSION ?= 5.24.0
+# PEFT, the LoRA reference, and accelerate, which PEFT imports.
+PEFT_REFERENCE_VERSION ?= 0.21.2
+ACCELERATE_REFERENCE_VERSION ?= 1.15.0
 
 export FAIRSEQ2_EXTENSION_TRACE := 1
 
@@ -22,9 +25,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # --no-warn-conflicts: pip would compare the overlay's transformers 5.x with
-# fairseq2's pins in the venv, which the overlay does not touch.
+# fairseq2's pins in the venv, which the overlay does not touch. PEFT and
+# accelerate go in with --no-deps: pip --target would otherwise put a second
+# torch (with CUDA, gigabytes) into the overlay, shadowing the venv's; their
+# other dependencies are transformers' or the venv's (torch, psutil).
 $(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet --no-warn-conflicts --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
+	$(BIN)/pip install --quiet --no-warn-conflicts --no-deps --target $(HF_REFERENCE_DIR) peft==$(PEFT_REFERENCE_VERSION) accelerate==$(ACCELERATE_REFERENCE_VERSION)
 	touch $@
 
 test: setup

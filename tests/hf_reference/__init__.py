@@ -10,8 +10,10 @@ itself relatively, so it works as ``tests.hf_reference`` too.
 
 from __future__ import annotations
 
+from .overlay import ACCELERATE_REFERENCE_VERSION as ACCELERATE_REFERENCE_VERSION
 from .overlay import HF_REFERENCE_DIR_ENV as HF_REFERENCE_DIR_ENV
 from .overlay import HF_REFERENCE_VERSION as HF_REFERENCE_VERSION
+from .overlay import PEFT_REFERENCE_VERSION as PEFT_REFERENCE_VERSION
 from .overlay import HfReferenceUnavailableError as HfReferenceUnavailableError
 from .overlay import ensure_hf_reference as ensure_hf_reference
 from .overlay import hf_reference_available as hf_reference_available
@@ -30,4 +32,5 @@ from .spec import LayerTypeName as LayerTypeName
 from .spec import ReferenceDtype as ReferenceDtype
 from .spec import ReferencePrecision as ReferencePrecision
 from .spec import TinyQwen35Spec as TinyQwen35Spec
+from .spec import qwen35_0p8b_spec as qwen35_0p8b_spec
 from .tensors import read_safetensors_dir as read_safetensors_dir

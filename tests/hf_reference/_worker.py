@@ -296,14 +296,39 @@ def _build(request: dict[str, Any]) -> dict[str, Any]:
     return {"model_dir": str(out_dir)}
 
 
+def _load_peft_adapter(model: Any, adapter_dir: str) -> Any:
+    """Loads the PEFT adapter of ``adapter_dir`` onto ``model``, failing
+    unless every tensor of the adapter ends up in the model: PEFT itself
+    only warns about keys it cannot place."""
+    peft = importlib.import_module("peft")
+
+    model = peft.PeftModel.from_pretrained(model, adapter_dir)
+
+    saved = load_file(Path(adapter_dir) / "adapter_model.safetensors")
+
+    loaded = peft.get_peft_model_state_dict(model)
+
+    if saved.keys() != loaded.keys():
+        raise RuntimeError(
+            f"The adapter's keys must be the model's adapter keys, but are not. "
+            f"Only in the adapter: {sorted(saved.keys() - loaded.keys())}; only in the model: {sorted(loaded.keys() - saved.keys())}."
+        )
+
+    for key, value in saved.items():
+        if not torch.equal(loaded[key].to(value.dtype), value):
+            raise RuntimeError(f"`{key}` must load unchanged into the model, but does not.")
+
+    return model
+
+
 class _ModelCache:
     """Keeps loaded models so that several requests on one directory load it once."""
 
     def __init__(self) -> None:
-        self._models: dict[tuple[str, str, str], Any] = {}
+        self._models: dict[tuple[str, str, str, str | None], Any] = {}
 
-    def get(self, model_dir: str, model_class: str, dtype: str = "float32") -> Any:
-        key = (model_dir, model_class, dtype)
+    def get(self, model_dir: str, model_class: str, dtype: str = "float32", adapter_dir: str | None = None) -> Any:
+        key = (model_dir, model_class, dtype, adapter_dir)
 
         model = self._models.get(key)
         if model is None:
@@ -316,7 +341,12 @@ class _ModelCache:
             else:
                 auto_class = transformers.AutoModelForCausalLM
 
-            model = auto_class.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+            model = auto_class.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+
+            if adapter_dir is not None:
+                model = _load_peft_adapter(model, adapter_dir)
+
+            model = model.eval()
 
             self._models[key] = model
 
@@ -335,7 +365,7 @@ def _logits(request: dict[str, Any], models: _ModelCache, work_dir: Path, index:
 
     dtype = "float32" if autocast else precision
 
-    model = models.get(request["model_dir"], request["model_class"], dtype)
+    model = models.get(request["model_dir"], request["model_class"], dtype, request["adapter_dir"])
 
     input_ids = torch.tensor(request["input_ids"], dtype=torch.int64)
 

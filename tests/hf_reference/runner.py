@@ -105,11 +105,14 @@ class HfReferenceBatch:
         attention_mask: TokenIds | None = None,
         model_class: ModelClass = "auto",
         precision: ReferencePrecision = "float32",
+        adapter_dir: Path | str | None = None,
     ) -> Pending[torch.Tensor]:
         """Adds a forward pass in eval mode; its result is the logits, ``[N, S, V]``, cast to fp32.
 
         :param attention_mask: ``[N, S]``, 1 for tokens and 0 for right padding.
         :param precision: The dtype the model is loaded in, or bf16 autocast over fp32 weights.
+        :param adapter_dir: A PEFT adapter directory to load onto the model with
+            ``PeftModel.from_pretrained``; every tensor of it must load into the model.
         """
         pending: Pending[torch.Tensor] = Pending()
 
@@ -133,6 +136,7 @@ class HfReferenceBatch:
             "input_ids": rows,
             "attention_mask": mask_rows,
             "precision": precision,
+            "adapter_dir": None if adapter_dir is None else str(Path(adapter_dir).resolve()),
         }
 
         self._add(request, consume)

@@ -175,3 +175,27 @@ class TinyQwen35Spec:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def qwen35_0p8b_spec(*, num_hidden_layers: int, **fields: Any) -> TinyQwen35Spec:
+    """Returns the spec of a random checkpoint of Qwen3.5-0.8B's text
+    configuration (the widths and head counts of ``Qwen/Qwen3.5-0.8B``'s
+    config.json, tied embeddings, initializer range 0.02) with
+    ``num_hidden_layers`` of its 24 layers; ``fields`` override the rest
+    (the layout, the vocabulary size, the dtype, the seed)."""
+    real: dict[str, Any] = {
+        "hidden_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "intermediate_size": 3584,
+        "vocab_size": 248_320,
+        "tie_word_embeddings": True,
+        "initializer_range": 0.02,
+    }
+
+    return TinyQwen35Spec(**{**real, **fields, "num_hidden_layers": num_hidden_layers})

@@ -23,6 +23,24 @@ per-expert MoE experts, and Qwen3-Next's packed projections. Every fairseq2
 tensor is a concatenation of row ranges of Hugging Face tensors
 (:func:`plan_hf_rows`); the converters themselves run on meta tensors to
 validate the checkpoint, with their own errors, and to check the plan.
+
+In fairseq2's recipes: a recipe that calls
+:func:`enable_sharded_checkpoint_loading` in ``Recipe.register`` and
+:func:`finish_sharded_checkpoint_loading` in ``Recipe.setup_model`` loads
+Hugging Face checkpoints into each rank's shards:
+
+1. the Qwen3.5 families (:class:`~qwen35_fs2.models.family.Qwen35ModelFamily`)
+   of the recipe's container return the model on the meta device, on every
+   rank, and record its checkpoint in the recipe's
+   :class:`ShardedCheckpointLoading`;
+2. ``setup_model`` applies layerwise activation checkpointing and FSDP2 as
+   the trainer section asks, allocates the rank's shards and reads them;
+3. fairseq2 then finds the model sharded: the families' activation
+   checkpointing and FSDP appliers leave it as it is.
+
+Native fairseq2 checkpoints, resumed runs (fairseq2 then creates the model on
+the meta device and loads its own sharded checkpoint) and recipes that do not
+enable it load as before.
 """
 
 from __future__ import annotations
@@ -34,6 +52,7 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Final, final
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import Tensor
@@ -44,10 +63,14 @@ from torch.nn import Module
 from fairseq2.data_type import DataType, set_dtype
 from fairseq2.error import InternalError
 from fairseq2.gang import Gangs, set_gangs
+from fairseq2.logging import log
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
+from fairseq2.recipe.base import RecipeContext
+from fairseq2.recipe.config import TrainerSection
+from fairseq2.runtime.dependency import DependencyContainer
 
 from qwen35_fs2.hf.row_plan import RowRange, plan_hf_rows, take_rows
 from qwen35_fs2.hf.safetensors import SafetensorsTensor, index_safetensors, matrix_cols, matrix_rows
@@ -56,6 +79,7 @@ from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.models.qwen35.interop import find_output_weight_keys, tied_output_weights_error
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
+from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 
 DEFAULT_READ_BUFFER_BYTES: Final = 64 * 1024 * 1024
@@ -392,3 +416,124 @@ def allocate_shards(
 
     # They are no part of a checkpoint.
     reset_non_persistent_buffers(model)
+
+
+@final
+@dataclass(frozen=True)
+class DeferredCheckpoint:
+    """A Hugging Face checkpoint whose loading a family left to the recipe."""
+
+    path: Path
+
+    config: Qwen35Config
+
+
+@final
+class ShardedCheckpointLoading:
+    """The Hugging Face checkpoints whose loading the Qwen3.5 families deferred
+    until their models are sharded, by model.
+
+    A recipe registers one in its container
+    (:func:`enable_sharded_checkpoint_loading`); the families created by that
+    container then return the models of Hugging Face checkpoints on the meta
+    device and record their checkpoint here, and the recipe loads them
+    (:func:`finish_sharded_checkpoint_loading`).
+    """
+
+    def __init__(self) -> None:
+        self._checkpoints: WeakKeyDictionary[Module, DeferredCheckpoint] = WeakKeyDictionary()
+
+    def defer(self, model: Module, checkpoint: DeferredCheckpoint) -> None:
+        """Records that ``model``, on the meta device, is to be loaded from
+        ``checkpoint``; a weak reference, so that a model dropped before its
+        loading takes its record with it."""
+        self._checkpoints[model] = checkpoint
+
+    def take(self, model: Module) -> DeferredCheckpoint | None:
+        """Returns the checkpoint deferred for ``model``, and forgets it;
+        ``None`` if there is none."""
+        return self._checkpoints.pop(model, None)
+
+
+def enable_sharded_checkpoint_loading(container: DependencyContainer) -> None:
+    """Makes the Qwen3.5 families defer loading Hugging Face checkpoints to
+    :func:`finish_sharded_checkpoint_loading`; call it in
+    ``Recipe.register``."""
+    container.register_instance(ShardedCheckpointLoading, ShardedCheckpointLoading())
+
+
+def finish_sharded_checkpoint_loading(context: RecipeContext, model: Module) -> Module:
+    """Shards ``model`` and reads its checkpoint into the shards if its family
+    deferred the loading; returns ``model``, otherwise untouched. Call it in
+    ``Recipe.setup_model`` before anything else uses the model.
+
+    With FSDP (``trainer.data_parallelism: fsdp`` over more than one rank)
+    the model is sharded as the trainer section asks (``fsdp.granularity``
+    ``layer`` or ``stack``, ``reshard_after_forward``, ``fp32_reduce``, static
+    mixed precision) after layerwise activation checkpointing, if any; with
+    DDP or a single data-parallel rank, every rank reads its tensor-parallel
+    shard in full.
+    """
+    loading = context.resolver.maybe_resolve(ShardedCheckpointLoading)
+
+    pending = None if loading is None else loading.take(model)
+
+    if pending is None:
+        return model
+
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"`model` must be a `TransformerLM`, but is a `{type(model).__name__}` instead.")
+
+    gangs = context.gangs
+
+    trainer = context.resolver.resolve(TrainerSection)
+
+    if _uses_fsdp(trainer, gangs):
+        fsdp = trainer.fsdp
+
+        if fsdp.version != "v2":
+            raise ValueError(
+                f"`trainer.fsdp.version` must be 'v2' to load a checkpoint into FSDP shards, but is '{fsdp.version}' instead."
+            )
+
+        # fairseq2 wraps the whole model itself at this granularity, broadcasting
+        # from rank 0.
+        if fsdp.granularity not in ("layer", "stack"):
+            raise ValueError(
+                f"`trainer.fsdp.granularity` must be 'layer' or 'stack' to load a checkpoint into FSDP shards, but is '{fsdp.granularity}' instead."
+            )
+
+        ac = trainer.activation_checkpointing
+
+        # Activation checkpointing goes inside the FSDP units, as fairseq2
+        # applies it.
+        if ac.mode == "layerwise":
+            apply_ac_to_qwen35(model, ac.every_nth_layer)
+
+        mixed_precision = trainer.mixed_precision
+
+        allocate_shards(
+            model,
+            gangs,
+            fsdp_granularity=fsdp.granularity,
+            mixed_precision_dtype=mixed_precision.dtype if mixed_precision.mode == "static" else None,
+            fp32_reduce=fsdp.fp32_reduce,
+            reshard_after_forward=fsdp.reshard_after_forward,
+        )
+    else:
+        allocate_shards(model, gangs, fsdp_granularity=None)
+
+    load_hf_checkpoint_shards(model, pending.path, pending.config, gangs)
+
+    log.info("Every rank read its shards of {}.", pending.path)
+
+    return model
+
+
+def _uses_fsdp(trainer: TrainerSection, gangs: Gangs) -> bool:
+    """Whether fairseq2's data-parallel wrapper would use FSDP."""
+    if gangs.dp.size == 1 or trainer.data_parallelism != "fsdp":
+        return False
+
+    # fairseq2 falls back to DDP.
+    return not (gangs.rdp.size > 1 and gangs.sdp.size == 1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from qwen35_fs2.nn.attention import Qwen35Attention as Qwen35Attention
 from qwen35_fs2.nn.decoder import Qwen35Decoder as Qwen35Decoder
+from qwen35_fs2.nn.decoder import collect_moe_statistics as collect_moe_statistics
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer as Qwen35DecoderLayer
 from qwen35_fs2.nn.gated_deltanet import CausalDepthwiseConv1d as CausalDepthwiseConv1d
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet as GatedDeltaNet
@@ -14,7 +15,7 @@ from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetDecay as GatedDeltaNetDeca
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetState as GatedDeltaNetState
 from qwen35_fs2.nn.moe import MoeStatistics as MoeStatistics
 from qwen35_fs2.nn.moe import Qwen35MoeBlock as Qwen35MoeBlock
-from qwen35_fs2.nn.moe import collect_moe_statistics as collect_moe_statistics
+from qwen35_fs2.nn.moe import MoeStatisticsRecorder as MoeStatisticsRecorder
 from qwen35_fs2.nn.normalization import GatedRMSNorm as GatedRMSNorm
 from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm as ZeroCenteredRMSNorm
 from qwen35_fs2.nn.rotary import PartialRotaryEncoder as PartialRotaryEncoder

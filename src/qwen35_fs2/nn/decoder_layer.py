@@ -16,6 +16,8 @@ from fairseq2.models.transformer_lm import TransformerLMDecoderLayer
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
+from qwen35_fs2.nn.moe.statistics import MoeStatisticsRecorder
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
@@ -29,6 +31,11 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
 
     Exactly one of ``self_attn`` and ``linear_attn`` is set, so the state-dict
     keys name the mixer a layer has, as in the released checkpoints.
+
+    The ``ffn`` is fairseq2's dense feed-forward network or a
+    :class:`Qwen35MoeBlock`; the layer hands an MoE block its batch layout,
+    so that pads stay out of the routing statistics, and the recorder of the
+    forward pass.
     """
 
     self_attn: MultiheadAttention | None
@@ -58,6 +65,9 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
 
         self.ffn = ffn
 
+        # Decided once: fairseq2's feed-forward networks take `seqs` alone.
+        self._ffn_is_moe = isinstance(ffn, Qwen35MoeBlock)
+
     @override
     def forward(
         self,
@@ -67,10 +77,14 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
         *,
         state_bag: IncrementalStateBag | None = None,
         varlen: VarlenMetadata | None = None,
+        moe_statistics: MoeStatisticsRecorder | None = None,
     ) -> Tensor:
         """
         :param varlen: The documents of a packed batch, made once per batch
             by the decoder; made from ``seqs_layout`` if ``None``.
+        :param moe_statistics: The recorder of the forward pass, made by the
+            decoder, for the routing statistics of an MoE ``ffn``; ``None``
+            to record none.
         """
         residual = seqs
 
@@ -95,6 +109,11 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
 
         residual = seqs
 
-        seqs = self.ffn(self.ffn_layer_norm(seqs))
+        seqs = self.ffn_layer_norm(seqs)
+
+        if self._ffn_is_moe:
+            seqs = self.ffn(seqs, seqs_layout, statistics=moe_statistics)
+        else:
+            seqs = self.ffn(seqs)
 
         return seqs + residual

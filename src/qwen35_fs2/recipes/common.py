@@ -40,8 +40,9 @@ from fairseq2.utils.validation import ValidationResult
 from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.nn.mtp import find_mtp
-from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, collect_moe_statistics
-from qwen35_fs2.models.family import (
+from qwen35_fs2.nn.decoder import collect_moe_statistics
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
+from qwen35_fs2.hf.sharded_loading import (
     enable_sharded_checkpoint_loading,
     finish_sharded_checkpoint_loading,
 )

@@ -27,7 +27,7 @@ from fairseq2.error import StateDictError
 
 from hf_reference import TinyQwen35Spec
 from hf_reference.fixtures import TinyModelCache
-from offline_hub import use_offline_hub_cache
+from offline_hub import add_hub_snapshot, use_offline_hub_cache
 from qwen35_fs2 import load_hf_model
 from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
@@ -63,10 +63,6 @@ _UNTIED_VLM = TinyQwen35Spec(
 
 _PRESET = "qwen35_tiny"
 
-# 40 hex digits, as a commit of the Hub.
-_COMMIT = "0123456789abcdef0123456789abcdef01234567"
-
-
 def _card(checkpoint: str) -> AssetCard:
     metadata = {"name": "tiny_card", "model_family": "qwen35", "model_arch": _PRESET, "checkpoint": checkpoint}
 
@@ -82,13 +78,7 @@ def _copy(source: Path, target: Path) -> Path:
 def _hub_checkpoint(model_dir: Path, hub_cache: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Puts ``model_dir`` into an offline Hub cache as ``test-org/tiny`` at
     ``main`` and returns its ``hg://`` URI."""
-    repo_dir = hub_cache / "models--test-org--tiny"
-
-    (repo_dir / "refs").mkdir(parents=True)
-
-    (repo_dir / "refs" / "main").write_text(_COMMIT)
-
-    _copy(model_dir, repo_dir / "snapshots" / _COMMIT)
+    add_hub_snapshot(hub_cache, "test-org/tiny", model_dir)
 
     use_offline_hub_cache(monkeypatch, hub_cache)
 

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fairseq2.nn import BatchLayout
 
-from hf_reference import HfReferenceBatch, ReferencePrecision, TinyQwen35Spec
+from hf_reference import HfReferenceBatch, ReferencePrecision, TinyQwen35Spec, qwen35_0p8b_spec
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2 import load_hf_model
 
@@ -52,23 +52,7 @@ _SPECS: Final = {
     # Qwen3.5-0.8B's layer shapes (config.py's `qwen35_0.8b`): 3 Gated
     # DeltaNets and 1 attention layer of the real widths and head counts, the
     # vocabulary cut from 248,320 to 4,096 entries to keep the test small.
-    "qwen35-0.8b-4-layers": TinyQwen35Spec(
-        layout="text",
-        hidden_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=256,
-        linear_num_key_heads=16,
-        linear_num_value_heads=16,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        intermediate_size=3584,
-        vocab_size=4096,
-        tie_word_embeddings=True,
-        seed=23,
-        initializer_range=0.02,
-    ),
+    "qwen35-0.8b-4-layers": qwen35_0p8b_spec(num_hidden_layers=4, layout="text", vocab_size=4096, seed=23),
 }
 
 

@@ -9,7 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,6 +35,7 @@ def run_recipe(
     *,
     nproc: int = 1,
     expected_returncode: int = 0,
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Runs ``fairseq2 lm <command>`` (or its ``torchrun`` module) with the
     config file ``recipes/<config>`` and returns the finished process; fails
@@ -48,11 +49,11 @@ def run_recipe(
     if nproc == 1:
         cmd = [find_executable("fairseq2"), "lm", command, *args]
     else:
-        module = {"instruction_finetune": "sft", "train": "train"}[command]
+        module = {"instruction_finetune": "sft", "train": "train", "eval_gsm8k": "eval_gsm8k"}[command]
 
         cmd = [find_executable("torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m", f"qwen35_fs2.recipes.{module}", *args]  # fmt: skip
 
-    process = run_command(cmd)
+    process = run_command(cmd, env)
 
     if process.returncode != expected_returncode:
         pytest.fail(f"{' '.join(cmd)} exited with code {process.returncode} instead of {expected_returncode}:\n{process.stdout[-6000:]}")
@@ -60,11 +61,12 @@ def run_recipe(
     return process
 
 
-def run_command(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, FAIRSEQ2_DEVICE="cpu", PYTHONUNBUFFERED="1")
+def run_command(cmd: Sequence[str], env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs ``cmd`` on the CPU, in the environment of the tests plus ``env``."""
+    full_env = dict(os.environ, FAIRSEQ2_DEVICE="cpu", PYTHONUNBUFFERED="1", **(env or {}))
 
     return subprocess.run(
-        cmd, cwd=REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S
+        cmd, cwd=REPO_DIR, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S
     )
 
 

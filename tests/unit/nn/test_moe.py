@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor
-from torch.nn import ModuleList
 from transformers.models.qwen3_next.modeling_qwen3_next import load_balancing_loss_func
 
 from fairseq2.error import NotSupportedError
@@ -28,7 +27,9 @@ from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.nn.moe.experts import ExpertDispatch, RoutedExperts
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.router import TopKRouter
+from qwen35_fs2.nn.moe.statistics import MoeStatistics, MoeStatisticsRecorder
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
+from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 
 MODEL_DIM = 16
 
@@ -384,6 +385,17 @@ class TestRoutedExperts:
         torch.testing.assert_close(experts.gate_inner_proj.grad, reference.gate_inner_proj.grad, atol=5e-2, rtol=2e-2)
 
 
+def _route(blocks: list[Qwen35MoeBlock], inputs: list[Tensor], layout: BatchLayout | None = None) -> MoeStatistics:
+    """Runs ``blocks`` on ``inputs`` in one forward pass, as the decoder does,
+    and collects their statistics."""
+    recorder = MoeStatisticsRecorder()
+
+    for block, x in zip(blocks, inputs):
+        block(x, layout, statistics=recorder)
+
+    return recorder.collect(blocks)
+
+
 def _hf_aux_loss(blocks: list[Qwen35MoeBlock], inputs: list[Tensor], attention_mask: Tensor | None) -> Tensor:
     """transformers' loss on the router logits of ``blocks``."""
     logits = tuple(F.linear(x.reshape(-1, MODEL_DIM), b.router.weight) for b, x in zip(blocks, inputs))
@@ -405,12 +417,7 @@ class TestLoadBalancingLoss:
 
         inputs = [torch.randn(4, 6, MODEL_DIM) for _ in blocks]
 
-        for block, x in zip(blocks, inputs):
-            block(x)
-
-        statistics = collect_moe_statistics(ModuleList(blocks))
-
-        assert statistics is not None
+        statistics = _route(blocks, inputs)
 
         expected = _hf_aux_loss(blocks, inputs, None)
 
@@ -427,30 +434,17 @@ class TestLoadBalancingLoss:
 
         inputs = [torch.randn(3, 6, MODEL_DIM) for _ in blocks]
 
-        for block, x in zip(blocks, inputs):
-            block.set_batch_layout(layout)
-
-            block(x)
-
-        statistics = collect_moe_statistics(ModuleList(blocks))
-
-        assert statistics is not None
+        statistics = _route(blocks, inputs, layout)
 
         expected = _hf_aux_loss(blocks, inputs, attention_mask)
 
         assert abs(statistics.load_balancing_loss.item() - expected.item()) <= 1e-6
 
         # Pads changed, real tokens kept: the same loss.
-        for block, x in zip(blocks, inputs):
+        for x in inputs:
             x[attention_mask == 0] = torch.randn(int((attention_mask == 0).sum()), MODEL_DIM)
 
-            block.set_batch_layout(layout)
-
-            block(x)
-
-        again = collect_moe_statistics(ModuleList(blocks))
-
-        assert again is not None
+        again = _route(blocks, inputs, layout)
 
         torch.testing.assert_close(again.load_balancing_loss, statistics.load_balancing_loss)
 
@@ -465,13 +459,7 @@ class TestLoadBalancingLoss:
 
         x = torch.randn(9, MODEL_DIM)
 
-        block.set_batch_layout(BatchLayout((9,), seq_lens, packed=True))
-
-        block(x)
-
-        statistics = collect_moe_statistics(block)
-
-        assert statistics is not None
+        statistics = _route([block], [x], BatchLayout((9,), seq_lens, packed=True))
 
         expected = _hf_aux_loss([block], [x[:7]], None)
 
@@ -484,12 +472,7 @@ class TestLoadBalancingLoss:
 
         inputs = [torch.randn(2, 5, MODEL_DIM) for _ in blocks]
 
-        for block, x in zip(blocks, inputs):
-            block(x)
-
-        statistics = collect_moe_statistics(ModuleList(blocks))
-
-        assert statistics is not None
+        statistics = _route(blocks, inputs)
 
         torch.autograd.backward(statistics.load_balancing_loss)
 
@@ -512,11 +495,7 @@ class TestLoadBalancingLoss:
             block.router.weight.copy_(torch.eye(4, MODEL_DIM) * 50.0)
 
         # Each token goes to a distinct expert with probability ~1.
-        block(torch.eye(4, MODEL_DIM))
-
-        statistics = collect_moe_statistics(block)
-
-        assert statistics is not None
+        statistics = _route([block], [torch.eye(4, MODEL_DIM)])
 
         torch.testing.assert_close(statistics.load_balancing_loss, torch.tensor(1.0))
 
@@ -532,12 +511,14 @@ class TestCollectMoeStatistics:
     def test_raises_error_without_a_forward_pass(self) -> None:
         block = _make_block()
 
-        block(torch.randn(3, MODEL_DIM))
+        recorder = MoeStatisticsRecorder()
 
-        collect_moe_statistics(block)
+        block(torch.randn(3, MODEL_DIM), statistics=recorder)
+
+        recorder.collect([block])
 
         with pytest.raises(RuntimeError, match=r"MoE layers \[0\] have no routing statistics"):
-            collect_moe_statistics(block)
+            recorder.collect([block])
 
     # With early stopping, the recomputation ends before the statistics.
     @pytest.mark.parametrize("early_stop", [True, False])
@@ -581,6 +562,91 @@ class TestCollectMoeStatistics:
         for name, grad in grads.items():
             torch.testing.assert_close(checkpointed_grads[name], grad, msg=name)
 
+    # Without early stopping, the recomputation reaches the statistics.
+    @pytest.mark.parametrize("early_stop", [True, False])
+    def test_the_recipes_activation_checkpointing_counts_statistics_once(self, early_stop: bool) -> None:
+        """Collected after the backward pass, in which the checkpointed layers
+        rerun their forward passes: the statistics are those of the model
+        without checkpointing."""
+        config = tiny_qwen35_moe_config()
+
+        torch.manual_seed(0)
+
+        model = create_qwen35_moe_model(config).train()
+
+        # The applier of the recipes (`trainer.activation_checkpointing`).
+        checkpointed = apply_ac_to_qwen35(copy.deepcopy(model), every_nth_layer=1)
+
+        seqs = torch.randint(1, config.vocab_size, (2, 12))
+        targets = torch.randint(1, config.vocab_size, (2, 12))
+
+        layout = BatchLayout((2, 12), [12, 7])
+
+        def statistics_after_backward(m: torch.nn.Module) -> MoeStatistics:
+            torch.autograd.backward(m(seqs, layout, targets, reduction="mean"))
+
+            statistics = collect_moe_statistics(m)
+
+            assert statistics is not None
+
+            return statistics
+
+        expected = statistics_after_backward(model)
+
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            statistics = statistics_after_backward(checkpointed)
+
+        assert torch.equal(statistics.tokens_per_expert, expected.tokens_per_expert)
+
+        assert statistics.num_tokens.item() == expected.num_tokens.item() == 19
+
+        torch.testing.assert_close(statistics.load_balancing_loss, expected.load_balancing_loss)
+
+    @pytest.mark.parametrize("checkpointed", [False, True])
+    def test_no_module_holds_an_autograd_graph_between_steps(self, checkpointed: bool) -> None:
+        config = tiny_qwen35_moe_config()
+
+        model = create_qwen35_moe_model(config).train()
+
+        if checkpointed:
+            apply_ac_to_qwen35(model, every_nth_layer=1)
+
+        seqs = torch.randint(1, config.vocab_size, (2, 12))
+        targets = torch.randint(1, config.vocab_size, (2, 12))
+
+        layout = BatchLayout((2, 12), [12, 7])
+
+        def training_forward() -> Tensor:
+            nll: Tensor = model(seqs, layout, targets, reduction="mean")
+
+            return nll
+
+        # A training step as the recipes take it.
+        loss = training_forward()
+
+        statistics = collect_moe_statistics(model)
+
+        assert statistics is not None
+
+        torch.autograd.backward(loss + 0.1 * statistics.load_balancing_loss)
+
+        del loss, statistics
+
+        assert _graph_references(model) == []
+
+        # A forward pass whose statistics nobody collects holds its graph
+        # until the next one, here a validation pass.
+        training_forward()
+
+        assert _graph_references(model) != []
+
+        model.eval()
+
+        with torch.no_grad():
+            model(seqs, layout)
+
+        assert _graph_references(model) == []
+
     def test_the_decoder_layer_passes_its_batch_layout_to_the_block(self) -> None:
         config = tiny_qwen35_moe_config()
 
@@ -599,7 +665,7 @@ class TestCollectMoeStatistics:
 
         assert statistics.tokens_per_expert.shape == (config.num_layers, config.experts.num_experts)
 
-    def test_a_deep_copy_keeps_a_working_hook(self) -> None:
+    def test_a_deep_copy_records_its_own_statistics(self) -> None:
         model = create_qwen35_moe_model(tiny_qwen35_moe_config()).eval()
 
         copied = copy.deepcopy(model)
@@ -617,10 +683,52 @@ class TestCollectMoeStatistics:
         assert collect_moe_statistics_or_none(model) is None
 
 
+def _graph_references(model: torch.nn.Module) -> list[str]:
+    """Returns where the state of the modules of ``model`` (their attributes,
+    and what those hold) refers to a tensor with an autograd graph."""
+    found = []
+
+    seen: set[int] = set()
+
+    def visit(obj: object, path: str) -> None:
+        if id(obj) in seen:
+            return
+
+        seen.add(id(obj))
+
+        if isinstance(obj, Tensor):
+            if obj.grad_fn is not None:
+                found.append(path)
+
+            return
+
+        # Modules are walked on their own, types hold no state of a model.
+        if isinstance(obj, (torch.nn.Module, type)):
+            return
+
+        if isinstance(obj, dict):
+            for key, value in obj.items():
+                visit(value, f"{path}[{key!r}]")
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            for idx, value in enumerate(obj):
+                visit(value, f"{path}[{idx}]")
+        elif hasattr(obj, "__dict__"):
+            for name, value in vars(obj).items():
+                visit(value, f"{path}.{name}")
+
+    for module_name, module in model.named_modules():
+        for name, value in vars(module).items():
+            visit(value, f"{module_name}.{name}")
+
+    return found
+
+
 def collect_moe_statistics_or_none(model: torch.nn.Module) -> object:
-    """Returns ``None`` if no MoE block of ``model`` holds statistics."""
-    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock)]
+    """Returns ``None`` if ``model`` holds no statistics."""
+    try:
+        return collect_moe_statistics(model)
+    except RuntimeError as ex:
+        if "have no routing statistics" not in str(ex):
+            raise
 
-    popped = [b.pop_statistics() for b in blocks]
-
-    return None if all(p is None for p in popped) else popped
+        return None

@@ -338,3 +338,38 @@ class TestMtpAcceptance:
             loss = _model_mtp_loss(model, _packed_batch(masked=True))
 
         assert loss.num_accepted is None
+
+
+class TestMtpLossOfMoeModels:
+    def test_trains_the_head_beside_the_load_balancing_loss_of_the_trunk(self) -> None:
+        from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
+        from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
+        from qwen35_fs2.recipes.common import create_aux_loss_fn
+
+        torch.manual_seed(0)
+
+        config = tiny_qwen35_moe_config()
+
+        config.mtp_num_layers = 1
+
+        config.pad_idx = _PAD_IDX
+
+        model = create_qwen35_moe_model(config)
+
+        setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.1))
+
+        metric_bag = MetricBag(CPU)
+
+        # The head's MoE block records no routing statistics: the trunk's
+        # layers alone make the load-balancing loss.
+        computer = LMLossComputer(model, create_aux_loss_fn(model), 0.01, mtp_loss_weight=0.1)
+
+        computer.prepare_metric_bag(metric_bag)
+
+        loss, _ = computer(_packed_batch(masked=True), metric_bag)
+
+        loss.backward()
+
+        assert model.mtp.layers[0].ffn.experts.gate_inner_proj.grad is not None
+
+        assert metric_bag.get("mtp_loss", Mean).compute() > 0.0

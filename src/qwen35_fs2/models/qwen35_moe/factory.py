@@ -8,11 +8,10 @@ from typing_extensions import override
 
 from fairseq2.models.transformer import FeedForwardNetwork, GLUFeedForwardNetwork
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.nn import Linear, PositionEncoder
+from fairseq2.nn import Linear
 
-from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.models.qwen35.factory import Qwen35Factory
-from qwen35_fs2.nn.moe.block import Qwen35MoeBlock, pass_batch_layout_to_ffn
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.experts import RoutedExperts
 from qwen35_fs2.nn.moe.router import TopKRouter
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
@@ -30,19 +29,6 @@ class Qwen35MoeFactory(Qwen35Factory):
         super().__init__(config)
 
         self._moe_config = config
-
-    @override
-    def create_decoder_layer(
-        self, layer_idx: int, pos_encoder: PositionEncoder
-    ) -> Qwen35DecoderLayer:
-        layer = super().create_decoder_layer(layer_idx, pos_encoder)
-
-        if self._moe_config.is_moe_layer(layer_idx):
-            # The block needs the batch layout to leave pads out of its
-            # load-balancing statistics.
-            layer.register_forward_pre_hook(pass_batch_layout_to_ffn, with_kwargs=True)
-
-        return layer
 
     @override
     def create_ffn(self, layer_idx: int) -> FeedForwardNetwork:

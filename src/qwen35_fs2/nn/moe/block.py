@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, final
 
 import torch
@@ -20,7 +19,7 @@ from fairseq2.ops.tensor_parallel import reduce, reduce_on_backward
 
 from qwen35_fs2.nn.moe.experts import RoutedExperts
 from qwen35_fs2.nn.moe.router import TopKRouter
-from qwen35_fs2.nn.moe.statistics import MoeRoutingStatistics, MoeStatistics
+from qwen35_fs2.nn.moe.statistics import MoeRoutingStatistics, MoeStatisticsRecorder
 from qwen35_fs2.nn.tp import sum_gradient_over_tp
 from qwen35_fs2.ops.autocast import autocast_free
 
@@ -69,9 +68,10 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
     Tokens are dispatched by sorting their (token, slot) pairs by expert, so
     each expert computes only the tokens routed to it (never all experts on
-    all tokens). Every forward pass outside activation-checkpoint
-    recomputation records a :class:`MoeRoutingStatistics`, from which
-    :func:`collect_moe_statistics` forms the load-balancing loss.
+    all tokens). Given a :class:`MoeStatisticsRecorder`, a forward pass
+    records its :class:`MoeRoutingStatistics` there, from which
+    :func:`~qwen35_fs2.nn.collect_moe_statistics` forms the load-balancing
+    loss; the block itself keeps nothing between forward passes.
 
     Differences from fairseq2's Llama 4 ``MoE``: softmax (not sigmoid)
     routing with renormalised top-k weights applied to the expert outputs
@@ -111,17 +111,20 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
 
-        self._batch_layout: BatchLayout | None = None
-        self._statistics: MoeRoutingStatistics | None = None
-
     @override
-    def forward(self, seqs: Tensor) -> Tensor:
+    def forward(
+        self, seqs: Tensor, seqs_layout: BatchLayout | None = None, *, statistics: MoeStatisticsRecorder | None = None
+    ) -> Tensor:
         """
         :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
+        :param seqs_layout: The layout of ``seqs``, whose pads the statistics
+            leave out; ``None`` if every position holds a token.
+        :param statistics: The recorder of the forward pass, which receives
+            the routing statistics of this block; ``None`` to record none.
 
         :returns: *Shape:* Same as ``seqs``.
         """
-        token_mask = self._take_token_mask(seqs)
+        token_mask = _token_mask(seqs, seqs_layout)
 
         # (N, S, M) -> (T, M)
         x = seqs.reshape(-1, seqs.size(-1))
@@ -171,13 +174,11 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
-        statistics = self._routing_statistics(probs, slot_experts, token_mask)
-
-        # Activation checkpointing reruns the forward pass during the backward
-        # pass; the statistics of the original pass stand. They are computed
-        # anyway, as the rerun must save the same tensors for the backward pass.
-        if not _is_recomputing():
-            self._statistics = statistics
+        # An activation-checkpoint rerun of the forward pass computes them as
+        # well, as it must save the same tensors for the backward pass as the
+        # original pass; the closed recorder ignores them.
+        if statistics is not None:
+            statistics.record(self, self._routing_statistics(probs, slot_experts, token_mask))
 
         return (routed + shared).view(seqs.shape)
 
@@ -202,31 +203,6 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         # (T_l, M) -> (T x K, M)
         return F.pad(local_output, (0, 0, start, sorted_seqs.size(0) - end))
-
-    def set_batch_layout(self, seqs_layout: BatchLayout) -> None:
-        """Tells the block the layout of the batch its next forward pass
-        sees, so that pad positions do not count in its statistics.
-
-        The decoder layer passes only ``seqs`` to its feed-forward network;
-        :func:`pass_batch_layout_to_ffn` calls this before each layer.
-        """
-        self._batch_layout = seqs_layout
-
-    def _take_token_mask(self, seqs: Tensor) -> Tensor | None:
-        seqs_layout, self._batch_layout = self._batch_layout, None
-
-        if seqs_layout is None or not seqs_layout.padded:
-            return None
-
-        positions = seqs_layout.position_indices
-
-        if positions.shape != seqs.shape[:-1]:
-            raise ValueError(
-                f"The batch layout must match `seqs`, but its positions have a shape of {tuple(positions.shape)} and `seqs` a shape of {tuple(seqs.shape)}."
-            )
-
-        # (N, S) -> (T)
-        return (positions >= 0).flatten()
 
     def _routing_statistics(
         self, probs: Tensor, slot_experts: Tensor, token_mask: Tensor | None
@@ -256,95 +232,19 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         return MoeRoutingStatistics(tokens_per_expert, router_prob_sums, num_tokens, top_k)
 
-    def pop_statistics(self) -> MoeRoutingStatistics | None:
-        """Returns the statistics of the last forward pass and forgets them,
-        or ``None`` if there was no forward pass since the last call."""
-        statistics, self._statistics = self._statistics, None
 
-        return statistics
-
-
-def pass_batch_layout_to_ffn(
-    layer: Module, args: tuple[object, ...], kwargs: Mapping[str, object]
-) -> None:
-    """A forward pre-hook for decoder layers whose ``ffn`` is a
-    :class:`Qwen35MoeBlock`: hands the block the layer's batch layout.
-
-    A module-level function, not a closure, so that copies of the model
-    (``deepcopy``, pickling) keep working hooks.
-    """
-    seqs_layout = args[1] if len(args) > 1 else kwargs.get("seqs_layout")
-
-    if not isinstance(seqs_layout, BatchLayout):
-        raise TypeError(
-            f"The second argument of the decoder layer must be a `BatchLayout`, but is of type `{type(seqs_layout).__name__}` instead."
-        )
-
-    ffn = layer.ffn
-
-    if not isinstance(ffn, Qwen35MoeBlock):
-        raise TypeError(
-            f"`layer.ffn` must be a `Qwen35MoeBlock`, but is of type `{type(ffn).__name__}` instead."
-        )
-
-    ffn.set_batch_layout(seqs_layout)
-
-
-def collect_moe_statistics(model: Module) -> MoeStatistics | None:
-    """Combines and clears the statistics that the MoE blocks of ``model``
-    recorded in its last forward pass.
-
-    Works through activation-checkpoint, FSDP, DDP, and ``torch.compile``
-    wrappers. Call it after every forward pass whose load-balancing loss
-    counts (every gradient-accumulation step), before the backward pass.
-
-    :returns: ``None`` if ``model`` has no MoE layers.
-
-    :raises RuntimeError: if an MoE layer has no statistics, that is, no
-        forward pass ran since the last call.
-    """
-    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock)]
-
-    if not blocks:
+def _token_mask(seqs: Tensor, seqs_layout: BatchLayout | None) -> Tensor | None:
+    """Returns which rows of ``seqs`` flattened to :math:`(T,M)` hold tokens,
+    or ``None`` if all do."""
+    if seqs_layout is None or not seqs_layout.padded:
         return None
 
-    layer_statistics = [block.pop_statistics() for block in blocks]
+    positions = seqs_layout.position_indices
 
-    missing = [idx for idx, s in enumerate(layer_statistics) if s is None]
-
-    if missing:
-        raise RuntimeError(
-            f"MoE layers {missing} have no routing statistics. Run a forward pass of the model before collecting them, and collect them once per forward pass."
-        )
-
-    statistics = [s for s in layer_statistics if s is not None]
-
-    top_k = statistics[0].top_k
-
-    if any(s.top_k != top_k for s in statistics):
+    if positions.shape != seqs.shape[:-1]:
         raise ValueError(
-            "The MoE layers must route each token to the same number of experts to combine their statistics, but do not."
+            f"`seqs_layout` must match `seqs`, but its positions have a shape of {tuple(positions.shape)} and `seqs` a shape of {tuple(seqs.shape)} instead."
         )
 
-    tokens_per_expert = torch.stack([s.tokens_per_expert for s in statistics])
-
-    router_prob_sums = torch.stack([s.router_prob_sums for s in statistics]).sum(dim=0)
-
-    num_tokens = statistics[0].num_tokens
-
-    # N = layers × tokens, clamped so that a batch of pads gives 0, not NaN.
-    total = (num_tokens * len(statistics)).clamp(min=1.0)
-
-    num_experts = tokens_per_expert.size(1)
-
-    load_balancing_loss = num_experts * torch.sum(
-        (tokens_per_expert.sum(dim=0) / total) * (router_prob_sums / total)
-    )
-
-    return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k)
-
-
-def _is_recomputing() -> bool:
-    """Returns ``True`` inside the autograd engine, where activation
-    checkpointing recomputes forward passes."""
-    return torch._C._current_graph_task_id() != -1
+    # (N, S) -> (T)
+    return (positions >= 0).flatten()

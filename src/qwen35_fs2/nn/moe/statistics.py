@@ -1,12 +1,16 @@
 """The routing statistics of the Qwen3.5-MoE blocks: what one block routed
-in one forward pass, and the load-balancing loss of a whole model."""
+in one forward pass, the recorder that holds them for one forward pass of a
+model, and the load-balancing loss of a whole model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import final
 
+import torch
 from torch import Tensor
+from torch.nn import Module
 
 @final
 @dataclass(frozen=True)
@@ -78,3 +82,102 @@ class MoeStatistics:
         num_layers = self.tokens_per_expert.size(0)
 
         return self.num_tokens * self.top_k * num_layers - self.tokens_per_expert.sum()
+
+
+@final
+class MoeStatisticsRecorder:
+    """Holds the :class:`MoeRoutingStatistics` that the MoE blocks record in
+    one forward pass of a model.
+
+    :class:`~qwen35_fs2.nn.Qwen35Decoder` makes one for each forward pass,
+    hands it through its layers to their MoE blocks, and closes it when the
+    pass ends. Activation checkpointing reruns a layer's forward pass during
+    the backward pass with the arguments of the original pass, so the rerun
+    finds this recorder closed and records nothing: every block counts once,
+    whichever applier wraps the layers, and no autograd internals tell a
+    rerun apart.
+
+    The statistics carry the autograd graph of the load-balancing loss; only
+    the recorder holds them, and :meth:`collect` lets go of them.
+    """
+
+    def __init__(self) -> None:
+        self._records: list[tuple[Module, MoeRoutingStatistics]] = []
+
+        self._closed = False
+
+    def record(self, block: Module, statistics: MoeRoutingStatistics) -> None:
+        """Records what ``block`` routed, unless the forward pass has ended
+        (then ``block`` is being recomputed)."""
+        if not self._closed:
+            self._records.append((block, statistics))
+
+    def close(self) -> None:
+        """Ends the forward pass: later records are recomputations."""
+        self._closed = True
+
+    def collect(self, blocks: Sequence[Module]) -> MoeStatistics:
+        """Combines what ``blocks``, the MoE blocks of a model in layer order,
+        recorded into the statistics of the model, and forgets them.
+
+        :raises RuntimeError: if a block of ``blocks`` recorded nothing or more
+            than once.
+        """
+        if not blocks:
+            raise ValueError("`blocks` must contain at least one MoE block, but is empty.")
+
+        records, self._records = self._records, []
+
+        self._closed = True
+
+        statistics = []
+
+        missing = []
+
+        for idx, block in enumerate(blocks):
+            block_statistics = [s for b, s in records if b is block]
+
+            if not block_statistics:
+                missing.append(idx)
+
+                continue
+
+            if len(block_statistics) > 1:
+                raise RuntimeError(
+                    f"MoE layer {idx} recorded its routing statistics {len(block_statistics)} times in one forward pass, but must record them once."
+                )
+
+            statistics.append(block_statistics[0])
+
+        if missing:
+            raise RuntimeError(
+                f"MoE layers {missing} have no routing statistics. Run a forward pass of the model before collecting them, and collect them once per forward pass."
+            )
+
+        return _combine_layer_statistics(statistics)
+
+
+def _combine_layer_statistics(statistics: Sequence[MoeRoutingStatistics]) -> MoeStatistics:
+    top_k = statistics[0].top_k
+
+    if any(s.top_k != top_k for s in statistics):
+        raise ValueError(
+            "The MoE layers must route each token to the same number of experts to combine their statistics, but do not."
+        )
+
+    tokens_per_expert = torch.stack([s.tokens_per_expert for s in statistics])
+
+    router_prob_sums = torch.stack([s.router_prob_sums for s in statistics]).sum(dim=0)
+
+    num_tokens = statistics[0].num_tokens
+
+    # N = layers × tokens, clamped so that a batch of pads gives 0, not NaN.
+    total = (num_tokens * len(statistics)).clamp(min=1.0)
+
+    num_experts = tokens_per_expert.size(1)
+
+    load_balancing_loss = num_experts * torch.sum(
+        (tokens_per_expert.sum(dim=0) / total) * (router_prob_sums / total)
+    )
+
+    return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k)

@@ -1,0 +1,78 @@
+"""The configuration of LoRA fine-tuning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Final
+
+from fairseq2.utils.validation import ValidationResult
+
+# The projections an adapter can be put on, by their Hugging Face module
+# names, as PEFT's `target_modules` names them. `gate_proj`, `up_proj` and
+# `down_proj` name the MLP of dense layers and the shared expert of MoE
+# layers, as they do in PEFT on a transformers model.
+LORA_TARGET_MODULES: Final = (
+    "q_proj", "k_proj", "v_proj", "o_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
+
+# Names of the routed experts, which transformers stores as fused 3-D
+# parameters (PEFT targets them with `target_parameters`, not modules).
+_ROUTED_EXPERT_NAMES: Final = ("experts", "gate_up_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGET_MODULES))
+    """
+    The projections that get an adapter, by their Hugging Face module names
+    (PEFT's ``target_modules``): any of ``q_proj``, ``k_proj``, ``v_proj``,
+    ``o_proj`` (gated attention), ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``, ``out_proj`` (Gated DeltaNet),
+    ``gate_proj``, ``up_proj``, ``down_proj`` (the MLP, and the shared
+    expert of MoE layers). The default is all of them.
+    """
+
+    r: int = 16
+    """The rank of the adapters."""
+
+    alpha: float = 32.0
+    """The numerator of the adapters' scaling (PEFT's ``lora_alpha``)."""
+
+    dropout_p: float = 0.0
+    """The dropout probability on the adapters' input (PEFT's ``lora_dropout``)."""
+
+    rslora: bool = False
+    """
+    If ``True``, scales the adapters by ``alpha / sqrt(r)`` (rank-stabilised
+    LoRA, PEFT's ``use_rslora``) instead of ``alpha / r``.
+    """
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+
+        if self.r <= 0:
+            result.add_error(f"`r` must be greater than 0, but is {self.r} instead.")
+
+        if not 0.0 <= self.dropout_p < 1.0:
+            result.add_error(f"`dropout_p` must be in [0, 1), but is {self.dropout_p} instead.")
+
+        if not self.target_modules:
+            result.add_error("`target_modules` must name at least one projection, but is empty.")
+
+        for name in self.target_modules:
+            if name in _ROUTED_EXPERT_NAMES:
+                result.add_error(
+                    f"`target_modules` must not name the routed experts (`{name}`): LoRA on routed experts is not supported yet. "
+                    "Put adapters on the shared expert (`gate_proj`, `up_proj`, `down_proj`) and the mixers instead."
+                )
+            elif name not in LORA_TARGET_MODULES:
+                result.add_error(
+                    f"`target_modules` must hold Hugging Face projection names ({', '.join(LORA_TARGET_MODULES)}), but holds `{name}` instead."
+                )
+
+        if len(set(self.target_modules)) != len(self.target_modules):
+            result.add_error(f"`target_modules` must not repeat a name, but is {self.target_modules} instead.")
+
+        return result

@@ -1,0 +1,109 @@
+"""A LoRA model's exported PEFT adapter, loaded with ``PeftModel.from_pretrained``
+onto transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (the
+overlay), gives our model's logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fairseq2.nn import BatchLayout
+
+from hf_reference import HfReferenceBatch, TinyQwen35Spec
+from hf_reference.fixtures import TinyModelCache
+from qwen35_fs2 import load_hf_model, qwen35_config_from_hf
+from qwen35_fs2.hf.config import load_hf_config
+from qwen35_fs2.lora import LORA_TARGET_MODULES, LoraConfig, apply_lora, save_peft_adapter
+
+_SEQ_LENS = [1, 37, 70]
+
+# Two key heads with two value heads each, so that the key-head grouping of
+# `in_proj_qkv` rows is not the identity; both mixers; untied, with GQA. The
+# MoE model's `gate_proj`/`up_proj`/`down_proj` are its shared experts'.
+_SPECS = {
+    "dense": TinyQwen35Spec(
+        layout="text",
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        seed=11,
+        initializer_range=0.02,
+    ),
+    "moe": TinyQwen35Spec(
+        layout="text",
+        moe=True,
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        seed=12,
+        initializer_range=0.02,
+    ),
+}
+
+
+def _padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+
+    seqs = torch.zeros((len(_SEQ_LENS), max(_SEQ_LENS)), dtype=torch.int64)
+    mask = torch.zeros_like(seqs)
+
+    for idx, n in enumerate(_SEQ_LENS):
+        seqs[idx, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
+        mask[idx, :n] = 1
+
+    return seqs, mask
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "rslora"), [("dense", False), ("dense", True), ("moe", False)])
+def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
+    spec = _SPECS[name]
+
+    model_dir = hf_tiny_models.get(spec)
+
+    model_config = qwen35_config_from_hf(load_hf_config(model_dir))
+
+    model = load_hf_model(model_dir, dtype=torch.float32).eval()
+
+    lora_config = LoraConfig(target_modules=list(LORA_TARGET_MODULES), r=4, alpha=8.0, rslora=rslora)
+
+    adapters = apply_lora(model, lora_config, model_config)
+
+    # B starts at zero; random B (and A) make every adapter count.
+    generator = torch.Generator().manual_seed(1)
+
+    with torch.no_grad():
+        for adapter in adapters.values():
+            for proj in (adapter.a_proj, adapter.b_proj):
+                proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=generator))
+
+    adapter_dir = tmp_path / "adapter"
+
+    save_peft_adapter(model, adapter_dir, config=lora_config, model_config=model_config, base_model_name_or_path=str(model_dir))
+
+    seqs, mask = _padded_batch(spec.vocab_size)
+
+    batch = HfReferenceBatch()
+
+    expected = batch.logits(model_dir, seqs, attention_mask=mask, adapter_dir=adapter_dir)
+
+    base = batch.logits(model_dir, seqs, attention_mask=mask)
+
+    batch.run()
+
+    with torch.no_grad():
+        logits = model(seqs, BatchLayout(seqs.shape, _SEQ_LENS))
+
+    for idx, n in enumerate(_SEQ_LENS):
+        diff = (logits[idx, :n] - expected.result()[idx, :n]).abs().max().item()
+
+        assert diff <= 2e-5, f"seq_len={n}: max abs diff {diff:.3g} > 2e-5"
+
+        # The adapters change the logits far beyond the tolerance.
+        assert (expected.result()[idx, :n] - base.result()[idx, :n]).abs().max().item() > 1e-2

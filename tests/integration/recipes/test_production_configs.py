@@ -1,0 +1,262 @@
+"""The production configurations, run as they are on two CPU processes.
+
+``recipes/qwen35_0.8b_gsm8k.yaml`` (SFT), then
+``recipes/qwen35_0.8b_gsm8k_eval.yaml`` on its last checkpoint, and
+``recipes/qwen35_0.8b_fineweb_edu.yaml`` (continued pretraining), each under
+``torchrun --nproc_per_node=2`` with the configuration file unchanged: FSDP2
+with static bf16 mixed precision, layerwise activation checkpointing, the
+fused AdamW with its no-decay group, the chunked loss, the held-out
+validation examples and the capped validation.
+
+What differs is where the files come from and how long the runs are:
+
+- ``hg://`` resolves offline against a Hugging Face Hub cache laid out by the
+  test (``HF_HUB_CACHE``, ``HF_HUB_OFFLINE=1``), which holds what the
+  configurations name: ``Qwen/Qwen3.5-0.8B-Base`` is a random checkpoint of
+  the real Qwen3.5-0.8B configuration (released layout, vision tower, tied,
+  bf16, 248,320 tokens) built by the transformers reference;
+  ``openai/gsm8k`` and ``HuggingFaceFW/fineweb-edu`` are synthetic corpora of
+  their schemas and file names (``qwen35_fs2.datasets.synthetic``);
+- the step counts and the tokens per batch (a CPU step of the real batch
+  would take hours): one step, with its metrics, a checkpoint and a
+  validation after it, 1,024 tokens a rank; the evaluation generates at most
+  64 tokens an answer instead of 512 (the random model never stops early);
+- the depth: the checkpoint has the real configuration and tensor shapes
+  with 4 of the 24 layers (three Gated DeltaNet layers and one full-attention
+  layer, the real pattern), which the asset card adopts from its config.json.
+  Two ranks of the full 24 layers do not fit in this machine's 24 GiB:
+  measured, one rank reached 11.5 GiB resident in its first step (98 s for
+  1,024 tokens) and the kernel's OOM killer ended the run. A rank of the
+  24-layer model holds half of the fp32 weights, gradients and AdamW state
+  (16 bytes a parameter) and gathers whole layers and the 248,320-row
+  embedding for the forward and backward passes;
+- the FineWeb-Edu config asks for fla's kernels (``gdn_backend: fla``), which
+  run on CUDA only (on CPU only under Triton's interpreter, and only in
+  fp32); the test runs the PyTorch kernels instead.
+
+Each rank's peak resident memory and the step times are written to
+``docs/performance.md`` ("Production configurations on CPU").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from hf_reference import qwen35_0p8b_spec
+from hf_reference.runner import HfReferenceBatch
+from offline_hub import add_hub_snapshot, offline_hub_env
+from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
+from recipe_runner import read_metrics, run_recipe
+
+pytestmark = pytest.mark.slow
+
+# The real Qwen3.5-0.8B text configuration (transformers names), with 4 of
+# its 24 layers (see the module docstring).
+QWEN35_0P8B: Final = qwen35_0p8b_spec(num_hidden_layers=4, layout="vlm", dtype="bfloat16")
+
+NUM_STEPS: Final = 1
+
+STEP_OVERRIDES: Final = (
+    f"regime.num_steps={NUM_STEPS}",
+    "regime.publish_metrics_every_n_steps=1",
+    f"regime.validate_every_n_steps={NUM_STEPS}",
+    f"regime.checkpoint_every_n_steps={NUM_STEPS}",
+)
+
+
+@dataclass
+class _PeakMemory:
+    """Samples the peak resident memory (``VmHWM``, kept by the kernel) of
+    the descendants of a process: the ranks under ``torchrun``."""
+
+    peaks: dict[int, int] = field(default_factory=dict)
+
+    def sample(self, root_pid: int) -> None:
+        for pid in _descendants(root_pid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    # In kB.
+                    self.peaks[pid] = max(self.peaks.get(pid, 0), int(line.split()[1]) << 10)
+
+
+def _descendants(root_pid: int) -> set[int]:
+    parents = {}
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+
+        parents[int(stat.parent.name)] = int(fields[1])
+
+    found: set[int] = set()
+
+    frontier = {root_pid}
+
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+
+        found |= frontier
+
+    return found
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hub cache with what the production configurations download."""
+    work_dir = tmp_path_factory.mktemp("production_files")
+
+    cache_dir = work_dir / "hub"
+
+    checkpoint_dir = work_dir / "Qwen3.5-0.8B-Base"
+
+    batch = HfReferenceBatch()
+
+    batch.make_tiny_model(checkpoint_dir, QWEN35_0P8B)
+
+    batch.run()
+
+    add_hub_snapshot(cache_dir, "Qwen/Qwen3.5-0.8B-Base", checkpoint_dir)
+
+    # GSM8K: more training examples than the 256 the SFT config holds out,
+    # and a test split of two batches of the eval config.
+    gsm8k_dir = work_dir / "gsm8k"
+
+    write_synthetic_gsm8k(gsm8k_dir, num_train=320, num_test=8, seed=0)
+
+    add_hub_snapshot(cache_dir, "openai/gsm8k", gsm8k_dir, repo_type="dataset")
+
+    # FineWeb-Edu sample-10BT: the 14 shards of the config's file patterns,
+    # each of several row groups as the real ones (the readers divide row
+    # groups among the ranks).
+    fineweb_dir = work_dir / "fineweb-edu"
+
+    write_synthetic_fineweb(fineweb_dir, num_shards=14, docs_per_shard=16, seed=0, rows_per_row_group=4)
+
+    add_hub_snapshot(cache_dir, "HuggingFaceFW/fineweb-edu", fineweb_dir, repo_type="dataset")
+
+    return cache_dir
+
+
+@pytest.fixture(scope="module")
+def measurements() -> Iterator[dict[str, object]]:
+    results: dict[str, object] = {}
+
+    yield results
+
+    print("production config measurements:", json.dumps(results, indent=2))
+
+
+def _run_measured(command: str, output_dir: Path, config: str, overrides: list[str], hub: Path) -> tuple[list[int], float]:
+    """Runs the recipe on 2 processes; returns each rank's peak resident
+    memory and the wall time."""
+    memory = _PeakMemory()
+
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.5):
+            memory.sample(os.getpid())
+
+    sampler = threading.Thread(target=sample, daemon=True)
+
+    start = time.monotonic()
+
+    sampler.start()
+
+    try:
+        run_recipe(command, output_dir, config, overrides, nproc=2, env=offline_hub_env(hub))
+    finally:
+        done.set()
+
+        sampler.join()
+
+    # The two largest processes are the ranks (torchrun's launcher is small).
+    ranks = sorted(memory.peaks.values(), reverse=True)[:2]
+
+    return ranks, time.monotonic() - start
+
+
+def test_sft_then_eval_configs_run_as_they_are(
+    hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
+) -> None:
+    sft_dir = tmp_path_factory.mktemp("sft")
+
+    overrides = [*STEP_OVERRIDES, "dataset.max_num_tokens=1024"]
+
+    peaks, wall_time = _run_measured("instruction_finetune", sft_dir, "qwen35_0.8b_gsm8k.yaml", overrides, hub)
+
+    metrics = read_metrics(sft_dir)
+
+    assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
+
+    # The model as released: an untrained head over 248,320 tokens starts near
+    # log(248,320) = 12.4.
+    assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
+
+    valid = read_metrics(sft_dir, "valid")
+
+    # The 256 held-out training examples, validated at the end.
+    assert valid[NUM_STEPS]["Number of Examples"] == 256
+
+    checkpoint_dir = sft_dir / "checkpoints" / f"step_{NUM_STEPS}"
+
+    assert checkpoint_dir.is_dir()
+
+    measurements["sft"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
+
+    eval_dir = tmp_path_factory.mktemp("eval")
+
+    eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=64"]
+
+    peaks, wall_time = _run_measured("eval_gsm8k", eval_dir, "qwen35_0.8b_gsm8k_eval.yaml", eval_overrides, hub)
+
+    records = [json.loads(line) for rank in (0, 1) for line in (eval_dir / "gsm8k" / f"rank_{rank}.jsonl").read_text().splitlines()]
+
+    # Every test question answered once, over the two ranks.
+    assert len(records) == 8
+
+    measurements["eval"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time)}
+
+
+def test_fineweb_edu_config_runs_as_it_is(
+    hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
+) -> None:
+    output_dir = tmp_path_factory.mktemp("fineweb")
+
+    overrides = [
+        *STEP_OVERRIDES,
+        "dataset.max_seq_len=1024",
+        "dataset.max_num_tokens=1024",
+        # fla's kernels run on CUDA only (see the module docstring).
+        "model.config_overrides.gdn_backend=torch",
+    ]
+
+    peaks, wall_time = _run_measured("train", output_dir, "qwen35_0.8b_fineweb_edu.yaml", overrides, hub)
+
+    metrics = read_metrics(output_dir)
+
+    assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
+
+    assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
+
+    assert NUM_STEPS in read_metrics(output_dir, "valid")
+
+    assert (output_dir / "checkpoints" / f"step_{NUM_STEPS}").is_dir()
+
+    measurements["fineweb_edu"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}

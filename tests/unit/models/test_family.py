@@ -1,0 +1,106 @@
+"""The Qwen3.5 model family defers loading Hugging Face checkpoints to the
+sharded loading of the recipe that enabled it, and loads everything else as
+fairseq2 does. The families' wiring in a recipe and the loading into the
+shards are tested by
+``tests/integration/sharding/test_recipe_sharded_loading.py``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.nn import Module
+
+from fairseq2.device import CPU, META_DEVICE
+from fairseq2.gang import create_fake_gangs
+from fairseq2.models import ModelFamily
+from fairseq2.runtime.dependency import get_dependency_resolver
+
+from qwen35_fs2.hf.export.tensors import to_hg_state_dict
+from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, ShardedCheckpointLoading
+from qwen35_fs2.models.family import Qwen35ModelFamily
+from qwen35_fs2.models.qwen35 import QWEN35_FAMILY, create_qwen35_model
+from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
+
+
+def _family(sharded_loading: ShardedCheckpointLoading | None) -> Qwen35ModelFamily:
+    """The dense family as the container of a recipe makes it, with
+    ``sharded_loading`` as that recipe's."""
+    family = get_dependency_resolver().resolve(ModelFamily, key=QWEN35_FAMILY)  # type: ignore[type-abstract]
+
+    assert isinstance(family, Qwen35ModelFamily)
+
+    family.sharded_loading = sharded_loading
+
+    return family
+
+
+def _random_model(config: Qwen35Config) -> Module:
+    torch.manual_seed(0)
+
+    model = create_qwen35_model(config)
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_()
+
+    return model
+
+
+def _load(family: Qwen35ModelFamily, path: Path, config: Qwen35Config) -> Module:
+    return family.load_custom_model(path, config, create_fake_gangs(CPU), torch.float32, load_rank0_only=False, mmap=False, restrict=None)
+
+
+def _assert_state_dict(model: Module, expected: dict[str, Tensor]) -> None:
+    state_dict = model.state_dict()
+
+    assert state_dict.keys() == expected.keys()
+
+    for key, tensor in expected.items():
+        assert torch.equal(state_dict[key], tensor), key
+
+
+class TestQwen35ModelFamily:
+    def test_defers_a_hf_checkpoint_to_the_sharded_loading_of_its_recipe(self, tmp_path: Path) -> None:
+        config = tiny_qwen35_config()
+
+        save_file(to_hg_state_dict(_random_model(config).state_dict(), config), tmp_path / "model.safetensors")
+
+        loading, other_recipes_loading = ShardedCheckpointLoading(), ShardedCheckpointLoading()
+
+        model = _load(_family(loading), tmp_path, config)
+
+        assert all(param.device == META_DEVICE for param in model.parameters())
+
+        assert other_recipes_loading.take(model) is None
+
+        assert loading.take(model) == DeferredCheckpoint(tmp_path, config)
+
+        # Taken once.
+        assert loading.take(model) is None
+
+    def test_loads_a_hf_checkpoint_without_sharded_loading(self, tmp_path: Path) -> None:
+        config = tiny_qwen35_config()
+
+        trained = _random_model(config).state_dict()
+
+        save_file(to_hg_state_dict(trained, config), tmp_path / "model.safetensors")
+
+        _assert_state_dict(_load(_family(None), tmp_path, config), trained)
+
+    def test_loads_a_native_checkpoint_with_sharded_loading(self, tmp_path: Path) -> None:
+        config = tiny_qwen35_config()
+
+        trained = _random_model(config).state_dict()
+
+        torch.save(trained, tmp_path / "model.pt")
+
+        loading = ShardedCheckpointLoading()
+
+        model = _load(_family(loading), tmp_path / "model.pt", config)
+
+        _assert_state_dict(model, trained)
+
+        assert loading.take(model) is None

@@ -1,0 +1,109 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fairseq2.nn import Linear
+
+from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter
+
+
+def _projection(input_dim: int, output_dim: int, dtype: torch.dtype = torch.float32) -> Linear:
+    return Linear(input_dim, output_dim, bias=False, dtype=dtype)
+
+
+class TestLoraAdapter:
+    @pytest.mark.parametrize(("rslora", "scaling"), [(False, 6.0 / 4), (True, 6.0 / 2)])
+    def test_output_is_base_plus_scaled_low_rank_update(self, rslora: bool, scaling: float) -> None:
+        torch.manual_seed(0)
+
+        proj = _projection(8, 5)
+
+        adapter = add_lora_adapter(proj, rank=4, alpha=6.0, dropout_p=0.0, rslora=rslora)
+
+        torch.nn.init.normal_(adapter.b_proj.weight)
+
+        x = torch.randn(3, 7, 8)
+
+        w, a, b = proj.weight.detach(), adapter.a_proj.weight.detach(), adapter.b_proj.weight.detach()
+
+        expected = x @ w.T + scaling * (x @ a.T @ b.T)
+
+        torch.testing.assert_close(proj(x), expected)
+
+    def test_new_adapter_leaves_output_unchanged_and_a_is_kaiming_uniform(self) -> None:
+        torch.manual_seed(0)
+
+        proj = _projection(64, 16)
+
+        x = torch.randn(2, 64)
+
+        before = proj(x)
+
+        adapter = add_lora_adapter(proj, rank=8, alpha=16.0, dropout_p=0.0, rslora=False)
+
+        assert torch.equal(proj(x), before)
+
+        assert torch.count_nonzero(adapter.b_proj.weight) == 0
+
+        # Kaiming-uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        bound = 1 / math.sqrt(64)
+
+        a = adapter.a_proj.weight
+
+        assert a.abs().max() <= bound
+        assert a.abs().max() > 0.9 * bound
+        assert abs(a.mean().item()) < 0.1 * bound
+
+    def test_dropout_applies_to_the_adapter_input_only(self) -> None:
+        proj = _projection(6, 6)
+
+        torch.nn.init.eye_(proj.weight)
+
+        adapter = add_lora_adapter(proj, rank=6, alpha=6.0, dropout_p=0.5, rslora=False)
+
+        torch.nn.init.eye_(adapter.a_proj.weight)
+        torch.nn.init.eye_(adapter.b_proj.weight)
+
+        x = torch.ones(50, 6)
+
+        # The update is the dropped-out input: 0 or 1 / (1 - p) = 2.
+        update = proj(x) - x
+
+        assert set(update.unique().tolist()) == {0.0, 2.0}
+
+        proj.eval()
+
+        assert torch.equal(proj(x) - x, x)
+
+    def test_adapter_takes_dtype_of_projection_and_adds_in_output_dtype(self) -> None:
+        proj = _projection(8, 4, dtype=torch.bfloat16)
+
+        adapter = add_lora_adapter(proj, rank=2, alpha=2.0, dropout_p=0.0, rslora=False)
+
+        assert adapter.a_proj.weight.dtype == torch.bfloat16
+        assert adapter.b_proj.weight.dtype == torch.bfloat16
+
+        assert proj(torch.randn(3, 8, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+    def test_parameter_names_of_projection_are_kept(self) -> None:
+        proj = _projection(8, 4)
+
+        add_lora_adapter(proj, rank=2, alpha=2.0, dropout_p=0.0, rslora=False)
+
+        assert list(proj.state_dict()) == ["weight", "lora.a_proj.weight", "lora.b_proj.weight"]
+
+    def test_add_lora_adapter_raises_error_when_projection_has_one(self) -> None:
+        proj = _projection(8, 4)
+
+        add_lora_adapter(proj, rank=2, alpha=2.0, dropout_p=0.0, rslora=False)
+
+        with pytest.raises(ValueError, match=r"`proj` must not have a LoRA adapter yet"):
+            add_lora_adapter(proj, rank=2, alpha=2.0, dropout_p=0.0, rslora=False)
+
+    @pytest.mark.parametrize("rank", [0, -1])
+    def test_raises_error_when_rank_is_not_positive(self, rank: int) -> None:
+        with pytest.raises(ValueError, match=rf"`rank` must be greater than 0, but is {rank} instead\."):
+            LoraAdapter(8, 4, rank=rank, alpha=1.0, dropout_p=0.0, rslora=False)
