@@ -37,7 +37,7 @@ from fairseq2.recipe.trainer import TrainUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
+from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, MtpLossMode, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.nn.decoder import collect_moe_statistics
@@ -183,8 +183,8 @@ class LMTrainingRecipe(Recipe):
 def setup_lm_loss(model: Module, section: LMLossSection) -> Module:
     """Installs the chunked loss with the configured chunk size, on models
     created or loaded by the recipe, with the loss of the MTP head if the
-    model has one and ``section.mtp_loss_weight`` is positive; a head
-    without a loss is frozen."""
+    model has one: trained if ``section.mtp_loss_weight`` is positive,
+    otherwise frozen and measured in validation only."""
     if not isinstance(model, TransformerLM):
         raise RecipeError(
             f"The model must be a `TransformerLM`, but is a `{type(model).__name__}` instead."
@@ -192,13 +192,18 @@ def setup_lm_loss(model: Module, section: LMLossSection) -> Module:
 
     mtp = find_mtp(model)
 
-    mtp_loss = mtp is not None and section.mtp_loss_weight > 0.0
+    mtp_loss: MtpLossMode = "off"
 
-    if mtp is not None and not mtp_loss:
-        # Unused parameters would also break DDP's gradient reduction.
-        mtp.requires_grad_(False)
+    if mtp is not None:
+        if section.mtp_loss_weight > 0.0:
+            mtp_loss = "train"
+        else:
+            # Unused parameters would also break DDP's gradient reduction.
+            mtp.requires_grad_(False)
 
-        log.info("The MTP head of the model is frozen: `loss.mtp_loss_weight` is 0.")
+            log.info("The MTP head of the model is frozen (`loss.mtp_loss_weight` is 0); validation measures it.")
+
+            mtp_loss = "eval"
 
     return install_chunked_lm_loss(model, chunk_size=section.chunk_size, mtp_loss=mtp_loss)
 
@@ -369,12 +374,13 @@ class LMLossComputer:
         """
         :param mtp_loss_weight: The weight of the loss of the MTP head, if
             the model has one; the model computes it if
-            :func:`setup_lm_loss` installed it.
+            :func:`setup_lm_loss` installed it (in training only with a
+            positive weight).
         """
         self._model = model
         self._aux_loss_fn = aux_loss_fn
         self._aux_loss_weight = aux_loss_weight
-        self._mtp = find_mtp(model) if mtp_loss_weight > 0.0 else None
+        self._mtp = find_mtp(model)
         self._mtp_loss_weight = mtp_loss_weight
 
     def prepare_metric_bag(self, metric_bag: MetricBag, *, evaluation: bool = False) -> None:
@@ -388,7 +394,8 @@ class LMLossComputer:
 
         if self._mtp is not None:
             # Per MTP target.
-            metric_bag.add("mtp_loss", Mean())
+            if self._mtp_loss_weight > 0.0 or evaluation:
+                metric_bag.add("mtp_loss", Mean())
 
             if evaluation:
                 # Per MTP target; computed by the model in evaluation mode.
@@ -425,12 +432,12 @@ class LMLossComputer:
 
         loss = nll_loss
 
-        if self._mtp is not None:
-            mtp_loss = self._mtp.pop_loss()
+        mtp_loss = None if self._mtp is None else self._mtp.pop_loss()
 
-            if mtp_loss is None:
-                raise InternalError("The model computed no MTP loss.")
+        if mtp_loss is None and self._mtp is not None and self._mtp_loss_weight > 0.0:
+            raise InternalError("The model computed no MTP loss.")
 
+        if mtp_loss is not None:
             # A batch may have no MTP target (documents of one token).
             num_mtp_targets = mtp_loss.num_targets.clamp(min=1)
 
@@ -446,7 +453,8 @@ class LMLossComputer:
 
             # A mean over the MTP targets, weighted relative to the mean
             # next-token loss as `loss` is normalized after the backward pass.
-            loss = loss + (self._mtp_loss_weight * num_targets) * mean_mtp_loss
+            if self._mtp_loss_weight > 0.0:
+                loss = loss + (self._mtp_loss_weight * num_targets) * mean_mtp_loss
 
         # The auxiliary loss of the model (MoE load balancing) is a per-batch
         # mean, while `loss` is summed over targets and normalized by their

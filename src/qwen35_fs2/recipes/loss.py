@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from functools import partial
 from types import MethodType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,10 @@ from qwen35_fs2.nn.mtp import (
     shift_mtp_targets,
 )
 from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
+
+MtpLossMode: TypeAlias = Literal["off", "eval", "train"]
+"""When the loss of a model's MTP head is computed: never, in evaluation
+mode only, or always."""
 
 DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
 """
@@ -487,16 +491,21 @@ def _count_loss_targets(
 
 
 def install_chunked_lm_loss(
-    model: TransformerLM, *, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE, mtp_loss: bool = False
+    model: TransformerLM,
+    *,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    mtp_loss: MtpLossMode = "off",
 ) -> TransformerLM:
     """Makes ``model(seqs, layout, targets, ...)`` compute its loss with
     :func:`chunked_cross_entropy`, and returns ``model``.
 
-    With ``mtp_loss``, the same call computes the loss of the model's MTP
-    head too (:func:`compute_mtp_loss`), which
-    :meth:`~qwen35_fs2.nn.mtp.Qwen35MultiTokenPredictor.pop_loss` then
-    returns: the model's return value stays its next-token loss. It runs in
-    the model's forward pass, so that FSDP, DDP and autocast treat the head
+    With ``mtp_loss`` ``"train"``, the same call computes the loss of the
+    model's MTP head too (:func:`compute_mtp_loss`); with ``"eval"``, only
+    when the model is in evaluation mode (the head's loss and acceptance are
+    measured, not trained). :meth:`~qwen35_fs2.nn.mtp.Qwen35MultiTokenPredictor.pop_loss`
+    then returns it, and the model's return value stays its next-token loss.
+    It runs
+    in the model's forward pass, so that FSDP, DDP and autocast treat the head
     as the rest of the model.
 
     The training recipes install it on the model they train
@@ -507,10 +516,13 @@ def install_chunked_lm_loss(
     :class:`TransformerLM` is final, so its ``compute_fused_loss`` is replaced
     on the instance, as fairseq2's own ``compile_loss`` does.
     """
-    if mtp_loss:
+    if mtp_loss not in ("off", "eval", "train"):
+        raise ValueError(f"`mtp_loss` must be 'off', 'eval' or 'train', but is '{mtp_loss}' instead.")
+
+    if mtp_loss != "off":
         if not isinstance(getattr(model, "mtp", None), Qwen35MultiTokenPredictor):
             raise ValueError(
-                "`model` must have an MTP head (`model.mtp`) when `mtp_loss` is `True`, but has none. Build it with `mtp_num_layers: 1`."
+                f"`model` must have an MTP head (`model.mtp`) when `mtp_loss` is '{mtp_loss}', but has none. Build it with `mtp_num_layers: 1`."
             )
 
         # The loss gets the trunk's output, but the head needs the layout.
@@ -532,7 +544,7 @@ def _compute_chunked_fused_loss(
     target_mask: Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     chunk_size: int,
-    mtp_loss: bool,
+    mtp_loss: MtpLossMode,
 ) -> Tensor:
     loss = chunked_cross_entropy(
         decoder_output,
@@ -545,7 +557,7 @@ def _compute_chunked_fused_loss(
         chunk_size=chunk_size,
     )
 
-    if mtp_loss:
+    if mtp_loss == "train" or (mtp_loss == "eval" and not model.training):
         mtp = model.mtp
 
         if not isinstance(mtp, Qwen35MultiTokenPredictor):

@@ -54,3 +54,27 @@ def test_sft_trains_the_mtp_head_with_fsdp2_and_reports_its_loss(tmp_path: Path)
     assert 0.0 <= valid[6]["MTP Acceptance"] <= 1.0
 
     assert "MTP Acceptance" not in train[6]
+
+
+@pytest.mark.slow
+def test_the_mtp_loss_raises_the_acceptance_of_the_head_over_a_frozen_one(tmp_path: Path) -> None:
+    valid_file = tmp_path / "valid.jsonl"
+
+    with valid_file.open("w", encoding="utf-8") as fp:
+        for example in generate_synthetic_gsm8k(8, seed=9):
+            fp.write(json.dumps({"src": example.question, "tgt": example.answer}) + "\n")
+
+    acceptance = {}
+
+    for weight in (0.0, 0.1):
+        output_dir = tmp_path / f"w{weight}"
+
+        overrides = [*OVERRIDES, f"dataset.valid=[{{path: {valid_file}}}]", f"loss.mtp_loss_weight={weight}", "regime.num_steps=12", "regime.validate_every_n_steps=12", "regime.checkpoint_every_n_steps=12"]
+
+        run_recipe("instruction_finetune", output_dir, CONFIG, overrides)
+
+        acceptance[weight] = read_metrics(output_dir, "valid")[12]["MTP Acceptance"]
+
+    print(f"MTP acceptance on held-out examples after 12 SFT steps: {acceptance}")
+
+    assert acceptance[0.1] > acceptance[0.0] + 0.05, acceptance

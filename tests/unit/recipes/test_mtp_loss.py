@@ -69,7 +69,7 @@ def _padded_batch(masked: bool, filler: int = _PAD_IDX) -> SequenceBatch:
 
 
 def _model_mtp_loss(model: TransformerLM, batch: SequenceBatch, chunk_size: int = 1024, *, batch_mask: bool = True) -> MtpLoss:
-    install_chunked_lm_loss(model, chunk_size=chunk_size, mtp_loss=True)
+    install_chunked_lm_loss(model, chunk_size=chunk_size, mtp_loss="train")
 
     input_batch, target_batch = batch.as_auto_regressive()
 
@@ -208,9 +208,9 @@ class TestMtpLoss:
         kwargs = dict(targets=target_batch.seqs, target_mask=get_batch_target_mask(target_batch), reduction="sum")
 
         with torch.no_grad():
-            plain = install_chunked_lm_loss(_model(), mtp_loss=False)(seqs, seqs_layout, **kwargs)
+            plain = install_chunked_lm_loss(_model(), mtp_loss="off")(seqs, seqs_layout, **kwargs)
 
-            with_mtp = install_chunked_lm_loss(model, mtp_loss=True)(seqs, seqs_layout, **kwargs)
+            with_mtp = install_chunked_lm_loss(model, mtp_loss="train")(seqs, seqs_layout, **kwargs)
 
         torch.testing.assert_close(with_mtp, plain, rtol=0, atol=0)
 
@@ -262,6 +262,28 @@ class TestMtpLossInRecipes:
 
         assert model.mtp.pop_loss() is None
 
+    def test_measures_a_frozen_head_in_evaluation_without_adding_its_loss(self) -> None:
+        model = _model().eval()
+
+        setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.0))
+
+        metric_bag = MetricBag(CPU)
+
+        computer = LMLossComputer(model, mtp_loss_weight=0.0)
+
+        computer.prepare_metric_bag(metric_bag, evaluation=True)
+
+        with torch.no_grad():
+            loss, num_targets = computer(_packed_batch(masked=True), metric_bag)
+
+            expected, num_mtp_targets = _expected_mtp_loss(model, _packed_batch(masked=True), masked=True)
+
+        assert loss.item() == pytest.approx(float(metric_bag.get("nll_loss", Mean).compute()) * num_targets, rel=1e-5)
+
+        assert metric_bag.get("mtp_loss", Mean).compute() == pytest.approx(expected.item() / num_mtp_targets, rel=1e-5)
+
+        assert 0.0 <= float(metric_bag.get("mtp_acceptance", Mean).compute()) <= 1.0
+
     def test_rejects_a_negative_weight(self) -> None:
         result = LMLossSection(mtp_loss_weight=-0.1).validate()
 
@@ -293,7 +315,7 @@ class TestMtpAcceptance:
 
         with torch.no_grad():
             # Small chunks: the greedy tokens are taken chunk by chunk.
-            install_chunked_lm_loss(model, chunk_size=4, mtp_loss=True)
+            install_chunked_lm_loss(model, chunk_size=4, mtp_loss="train")
 
             computer(batch, metric_bag)
 
