@@ -79,6 +79,7 @@ from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.models.qwen35.interop import find_output_weight_keys, tied_output_weights_error
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
+from qwen35_fs2.nn.lora import LoraAdapter, reset_lora_adapters
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 
@@ -134,7 +135,10 @@ def load_hf_checkpoint_shards(
 
     shard_dims = {_clean_name(name): dim for name, dim in get_shard_dims(model).items()}
 
-    params = {_clean_name(name): param for name, param in model.named_parameters()}
+    # LoRA adapters are no part of a base checkpoint.
+    adapter_params = {id(p) for m in model.modules() if isinstance(m, LoraAdapter) for p in m.parameters()}
+
+    params = {_clean_name(name): param for name, param in model.named_parameters() if id(param) not in adapter_params}
 
     missing = sorted(params.keys() - plan.keys())
     unexpected = sorted(plan.keys() - params.keys())
@@ -449,6 +453,11 @@ class ShardedCheckpointLoading:
         loading takes its record with it."""
         self._checkpoints[model] = checkpoint
 
+    def get(self, model: Module) -> DeferredCheckpoint | None:
+        """Returns the checkpoint deferred for ``model``; ``None`` if there is
+        none."""
+        return self._checkpoints.get(model)
+
     def take(self, model: Module) -> DeferredCheckpoint | None:
         """Returns the checkpoint deferred for ``model``, and forgets it;
         ``None`` if there is none."""
@@ -524,6 +533,10 @@ def finish_sharded_checkpoint_loading(context: RecipeContext, model: Module) -> 
         allocate_shards(model, gangs, fsdp_granularity=None)
 
     load_hf_checkpoint_shards(model, pending.path, pending.config, gangs)
+
+    # Adapters put on the model before it was sharded (`lora` in the
+    # recipes) are allocated uninitialized.
+    reset_lora_adapters(model)
 
     log.info("Every rank read its shards of {}.", pending.path)
 

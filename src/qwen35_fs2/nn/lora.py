@@ -7,6 +7,7 @@ from typing import final
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Dropout, Module
 
 from fairseq2.nn import ColumnShardedLinear, Linear, Projection, RowShardedLinear
@@ -91,6 +92,35 @@ def _init_a(proj: Linear) -> None:
 
 def _init_b(proj: Linear) -> None:
     torch.nn.init.zeros_(proj.weight)
+
+
+def reset_lora_adapters(model: Module) -> None:
+    """Initializes the adapters of ``model`` as new ones (``A``
+    Kaiming-uniform, ``B`` zero), also where FSDP2 shards them.
+
+    Sharded loading allocates them uninitialized, since a base checkpoint has
+    none. A sharded ``A`` is drawn whole and scattered from rank 0: drawing
+    each rank's rows with the same seed on every rank would repeat the same
+    rows in every shard, an adapter of lower rank.
+    """
+    with torch.no_grad():
+        for adapter in model.modules():
+            if not isinstance(adapter, LoraAdapter):
+                continue
+
+            for proj, init_fn in ((adapter.a_proj, _init_a), (adapter.b_proj, _init_b)):
+                weight = proj.weight
+
+                if not isinstance(weight, DTensor):
+                    init_fn(proj)
+
+                    continue
+
+                full = Linear(weight.size(1), weight.size(0), bias=False, init_fn=init_fn, device=weight.to_local().device, dtype=weight.dtype)
+
+                sharded = distribute_tensor(full.weight.detach(), weight.device_mesh, weight.placements)
+
+                weight.to_local().copy_(sharded.to_local())
 
 
 def add_lora_adapter(

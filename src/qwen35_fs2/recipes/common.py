@@ -48,6 +48,8 @@ from qwen35_fs2.hf.sharded_loading import (
 )
 from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
+from qwen35_fs2.recipes.lora import setup_lora
+from qwen35_fs2.lora import LoraConfig
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
@@ -107,6 +109,8 @@ class LMLossSection:
 class _LMTrainingConfig(Protocol):
     loss: LMLossSection
 
+    lora: LoraConfig | None
+
 
 class LMTrainingRecipe(Recipe):
     """The base of ``lm train`` and ``lm instruction_finetune``: Hugging Face
@@ -128,6 +132,10 @@ class LMTrainingRecipe(Recipe):
         self, context: RecipeContext, model: Module, newly_initialized: bool
     ) -> Module:
         config = cast(_LMTrainingConfig, context.get_config_as(self.config_kls))
+
+        # Before the model is sharded: FSDP2 shards the adapters too.
+        if config.lora is not None:
+            setup_lora(context, model, config.lora)
 
         model = finish_sharded_checkpoint_loading(context, model)
 

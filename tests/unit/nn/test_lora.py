@@ -7,7 +7,7 @@ import torch
 
 from fairseq2.nn import Linear
 
-from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter
+from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
 
 
 def _projection(input_dim: int, output_dim: int, dtype: torch.dtype = torch.float32) -> Linear:
@@ -56,6 +56,28 @@ class TestLoraAdapter:
         assert a.abs().max() <= bound
         assert a.abs().max() > 0.9 * bound
         assert abs(a.mean().item()) < 0.1 * bound
+
+    def test_reset_lora_adapters_makes_allocated_adapters_new_ones(self) -> None:
+        # What sharded loading leaves: adapters allocated, not initialized.
+        model = torch.nn.Sequential(_projection(64, 16), _projection(16, 32))
+
+        adapters = [add_lora_adapter(proj, rank=8, alpha=16.0, dropout_p=0.0, rslora=False) for proj in model]
+
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
+
+        reset_lora_adapters(model)
+
+        for proj, adapter, fan_in in zip(model, adapters, (64, 16)):
+            assert torch.isnan(proj.weight).all()
+
+            assert torch.count_nonzero(adapter.b_proj.weight) == 0
+
+            a = adapter.a_proj.weight
+
+            assert a.abs().max() <= 1 / math.sqrt(fan_in)
+            assert a.abs().max() > 0.5 / math.sqrt(fan_in)
 
     def test_dropout_applies_to_the_adapter_input_only(self) -> None:
         proj = _projection(6, 6)

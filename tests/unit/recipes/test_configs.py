@@ -13,6 +13,7 @@ CONFIGS = {
     "qwen35_0.8b_gsm8k_eval.yaml": "eval_gsm8k",
     "qwen35_0.8b_fineweb_edu.yaml": "train",
     "qwen35_tiny_gsm8k_cpu.yaml": "instruction_finetune",
+    "qwen35_tiny_gsm8k_lora_cpu.yaml": "instruction_finetune",
     "qwen35_tiny_gsm8k_eval_cpu.yaml": "eval_gsm8k",
     "qwen35_tiny_pretrain_cpu.yaml": "train",
 }
@@ -44,8 +45,10 @@ class TestBadConfigs:
             ("dataset.train=[{path: /no/such/gsm8k.jsonl}]", r"`dataset.train\[0\]` is not valid: `path` must be an existing file or directory, or a URI, but /no/such/gsm8k.jsonl does not exist\."),
             ("dataset.max_num_tokens=100", r"`max_num_tokens` must be greater than or equal to `max_seq_len` \(512\), but is 100 instead\."),
             ("loss.chunk_size=0", r"`chunk_size` must be greater than or equal to 1, but is 0 instead\."),
+            ("lora={r: 0}", r"`r` must be greater than 0, but is 0 instead\."),
+            ("lora={target_modules: [qkv_proj]}", r"`target_modules` must hold Hugging Face projection names \(.*\), but holds `qkv_proj` instead\."),
         ],
-        ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss"],
+        ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss", "lora_rank", "lora_target"],
     )
     def test_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
         output_dir = tmp_path / "out"

@@ -21,6 +21,7 @@ from fairseq2.recipe.config import (
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.lora import LoraConfig
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
 from qwen35_fs2.recipes.optim import create_adamw_section
@@ -191,3 +192,10 @@ class InstructionFinetuneConfig:
     common: CommonSection = field(default_factory=lambda: CommonSection())
 
     loss: LMLossSection = field(default_factory=lambda: LMLossSection())
+
+    lora: LoraConfig | None = None
+    """
+    If not ``None``, trains LoRA adapters on the projections it names and
+    freezes the rest of the model, which must start from a Hugging Face
+    checkpoint (see docs/recipes.md).
+    """

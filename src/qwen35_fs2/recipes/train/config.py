@@ -23,6 +23,7 @@ from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.datasets.pretraining import FINEWEB_EDU_SAMPLE_10BT, FINEWEB_EDU_URI
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
+from qwen35_fs2.lora import LoraConfig
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.optim import create_adamw_section
 
@@ -173,3 +174,10 @@ class PretrainConfig:
     common: CommonSection = field(default_factory=lambda: CommonSection())
 
     loss: LMLossSection = field(default_factory=lambda: LMLossSection())
+
+    lora: LoraConfig | None = None
+    """
+    If not ``None``, trains LoRA adapters on the projections it names and
+    freezes the rest of the model, which must start from a Hugging Face
+    checkpoint (see docs/recipes.md).
+    """
