@@ -79,6 +79,7 @@ def main(argv: Sequence[str]) -> int:
             tokenizer=args.tokenizer,
             dtype=None if args.dtype is None else EXPORT_DTYPES[args.dtype],
             text_only=args.text_only,
+            keep_base_mtp=args.keep_base_mtp,
             max_shard_size=args.max_shard_size,
             force=args.force,
             adapter=args.adapter,
@@ -148,6 +149,12 @@ def _create_parser() -> ArgumentParser:
         "--text-only",
         action="store_true",
         help="write Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM without the vision tower",
+    )
+
+    parser.add_argument(
+        "--keep-base-mtp",
+        action="store_true",
+        help="carry the base model's MTP head over as it is, instead of the checkpoint's (trained with the model)",
     )
 
     parser.add_argument(

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -25,6 +25,7 @@ from fairseq2.logging import log
 from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, Qwen35Config, check_config
+from qwen35_fs2.models.qwen35.interop import has_mtp_tensors
 from qwen35_fs2.models.qwen35_moe.config import (
     QWEN3_NEXT_ENDOFTEXT_IDX,
     Qwen35ExpertsConfig,
@@ -249,6 +250,27 @@ def adopt_hf_architecture(config: ConfigT, hf_config: Qwen35Config) -> tuple[Con
     return adopted, changes
 
 
+def drop_absent_mtp_head(config: ConfigT, keys: Collection[str], checkpoint: Path) -> ConfigT:
+    """Returns ``config`` without its MTP head (``mtp_num_layers`` 0) if the
+    Hugging Face checkpoint ``checkpoint`` with tensors ``keys`` has none,
+    saying so in the log; otherwise ``config``.
+
+    transformers' ``save_pretrained`` drops the ``mtp.*`` tensors but keeps
+    ``mtp_num_hidden_layers`` in the config, and such a checkpoint must load
+    as what it is: a model without the head, never one with a random head.
+    """
+    if config.mtp_num_layers == 0 or has_mtp_tensors(keys):
+        return config
+
+    log.info(
+        "{} has no MTP head (no `mtp.*` tensors) although its config.json says `mtp_num_hidden_layers: {}`, as transformers' `save_pretrained` leaves it; the model is loaded without the head (`mtp_num_layers: 0`).",
+        checkpoint,
+        config.mtp_num_layers,
+    )
+
+    return replace(config, mtp_num_layers=0)
+
+
 def read_hf_text_fields(
     hg_config: Mapping[str, object], text: Mapping[str, object]
 ) -> dict[str, Any]:
@@ -315,6 +337,7 @@ def read_hf_text_fields(
         linear_conv_kernel_size=reader.get_int("linear_conv_kernel_dim"),
         rms_norm_eps=reader.get_float("rms_norm_eps", default=1e-6),
         init_std=reader.get_float("initializer_range", default=0.02),
+        mtp_num_layers=reader.get_int("mtp_num_hidden_layers", default=0),
     )
 
 

@@ -11,7 +11,8 @@ from fairseq2.device import Device
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models.transformer_lm import TransformerLM
 
-from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.models.qwen35.hub import get_qwen35_model_hub
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.hub import get_qwen35_moe_model_hub
@@ -57,6 +58,8 @@ def load_hf_model(
     config = qwen35_config_from_hf(load_hf_config(path))
 
     check_safetensors_files(path)
+
+    config = drop_absent_mtp_head(config, index_safetensors(path).keys(), path)
 
     try:
         if isinstance(config, Qwen35MoeConfig):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import final
+from typing import cast, final
 
 import torch
 
@@ -20,8 +20,10 @@ from qwen35_fs2.models.qwen35.interop import (
     _HG_KEY_MAP,
     convert_qwen35_state_dict,
     is_hg_state_dict,
+    mtp_layers_as_trunk_layers,
     qkv_row_segments,
     strip_vlm_prefix,
+    trunk_layers_as_mtp_layers,
 )
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.interop import (
@@ -61,10 +63,13 @@ def plan_hf_rows(shapes: Mapping[str, tuple[int, ...]], config: Qwen35Config) ->
 
     _check_with_converter(shapes, config)
 
-    # Text-only layout keys -> the rows of the checkpoint's tensors.
+    # Text-only layout keys (the MTP head's layers as trunk layers, as the
+    # converters take them) -> the rows of the checkpoint's tensors.
+    text_keys = mtp_layers_as_trunk_layers(strip_vlm_prefix({key: key for key in shapes}), config)
+
     plan: RowPlan = {
         text_key: [RowRange(key, 0, matrix_rows(shapes[key]))]
-        for text_key, key in strip_vlm_prefix({key: key for key in shapes}).items()
+        for text_key, key in text_keys.items()
         if isinstance(key, str)
     }
 
@@ -97,7 +102,7 @@ def plan_hf_rows(shapes: Mapping[str, tuple[int, ...]], config: Qwen35Config) ->
         if _GROUPED_QKV_KEY.match(key):
             fs2_plan[key] = [r for start, length in qkv_row_segments(config) for r in take_rows(ranges, start, length)]
 
-    return fs2_plan
+    return cast(RowPlan, trunk_layers_as_mtp_layers(fs2_plan, config))
 
 
 def _check_with_converter(shapes: Mapping[str, tuple[int, ...]], config: Qwen35Config) -> None:

@@ -37,6 +37,7 @@ from fairseq2.utils.validation import ValidationError
 from qwen35_fs2.compat.checkpoint_loading_hook import CheckpointLoadRequest, CheckpointLoadingHookFamily
 from qwen35_fs2.hf.config import (
     adopt_hf_architecture,
+    drop_absent_mtp_head,
     find_checkpoint_hf_config,
     load_hf_config,
     qwen35_config_from_hf,
@@ -97,6 +98,15 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         if type(checkpoint_config) is not type(config):
             raise AssetCardError(
                 card.name, f"{config_file}, the config.json of the checkpoint of the {card.name} asset card, must describe a model of the {self.name} family, but describes a `{type(checkpoint_config).__name__}` instead."
+            )
+
+        checkpoint_dir = config_file.parent
+
+        # The safetensors next to the config.json: a local checkpoint, or the
+        # Hub cache once fairseq2 downloaded them.
+        if any(checkpoint_dir.glob("*.safetensors")):
+            checkpoint_config = drop_absent_mtp_head(
+                checkpoint_config, index_safetensors(checkpoint_dir).keys(), checkpoint_dir
             )
 
         config, changes = adopt_hf_architecture(config, checkpoint_config)

@@ -132,6 +132,10 @@ def collect_moe_statistics(model: Module) -> MoeStatistics | None:
             f"`model` must have one `Qwen35Decoder` to collect the statistics of its MoE layers, but has {len(decoders)} instead."
         )
 
+    # Those of the decoder: an MTP head's MoE block (``model.mtp``) records
+    # none.
+    blocks = [m for m in decoders[0].modules() if isinstance(m, Qwen35MoeBlock)]
+
     moe_statistics = decoders[0].take_moe_statistics()
 
     # An empty recorder reports every layer as without statistics.

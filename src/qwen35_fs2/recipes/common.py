@@ -37,8 +37,9 @@ from fairseq2.recipe.trainer import TrainUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, install_chunked_lm_loss
+from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, MtpLossMode, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
+from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.nn.decoder import collect_moe_statistics
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.hf.sharded_loading import (
@@ -74,6 +75,16 @@ class LMLossSection:
     none.
     """
 
+    mtp_loss_weight: float = 0.1
+    """
+    The weight of the loss of the model's multi-token-prediction head, the
+    cross entropy of its predictions of the token after next (as
+    Megatron-Bridge's ``mtp_loss_scaling_factor``), relative to the
+    next-token loss; reported as ``mtp_loss``. Models without a head
+    (``mtp_num_layers: 0``) have none. With 0, the head is frozen: an export
+    then carries it as it was loaded, untrained with the model.
+    """
+
     def validate(self) -> ValidationResult:
         result = ValidationResult()
 
@@ -85,6 +96,11 @@ class LMLossSection:
         if self.aux_loss_weight < 0.0:
             result.add_error(
                 f"`aux_loss_weight` must be greater than or equal to 0, but is {self.aux_loss_weight} instead."
+            )
+
+        if self.mtp_loss_weight < 0.0:
+            result.add_error(
+                f"`mtp_loss_weight` must be greater than or equal to 0, but is {self.mtp_loss_weight} instead."
             )
 
         return result
@@ -147,7 +163,9 @@ class LMTrainingRecipe(Recipe):
 
         aux_loss_fn = create_aux_loss_fn(dp_model)
 
-        loss_computer = LMLossComputer(dp_model, aux_loss_fn, config.loss.aux_loss_weight)
+        loss_computer = LMLossComputer(
+            dp_model, aux_loss_fn, config.loss.aux_loss_weight, mtp_loss_weight=config.loss.mtp_loss_weight
+        )
 
         unit = LMTrainUnit(loss_computer)
 
@@ -172,13 +190,30 @@ class LMTrainingRecipe(Recipe):
 
 def setup_lm_loss(model: Module, section: LMLossSection) -> Module:
     """Installs the chunked loss with the configured chunk size, on models
-    created or loaded by the recipe."""
+    created or loaded by the recipe, with the loss of the MTP head if the
+    model has one: trained if ``section.mtp_loss_weight`` is positive,
+    otherwise frozen and measured in validation only."""
     if not isinstance(model, TransformerLM):
         raise RecipeError(
             f"The model must be a `TransformerLM`, but is a `{type(model).__name__}` instead."
         )
 
-    return install_chunked_lm_loss(model, chunk_size=section.chunk_size)
+    mtp = find_mtp(model)
+
+    mtp_loss: MtpLossMode = "off"
+
+    if mtp is not None:
+        if section.mtp_loss_weight > 0.0:
+            mtp_loss = "train"
+        else:
+            # Unused parameters would also break DDP's gradient reduction.
+            mtp.requires_grad_(False)
+
+            log.info("The MTP head of the model is frozen (`loss.mtp_loss_weight` is 0); validation measures it.")
+
+            mtp_loss = "eval"
+
+    return install_chunked_lm_loss(model, chunk_size=section.chunk_size, mtp_loss=mtp_loss)
 
 
 def has_moe_layers(model: Module) -> bool:
@@ -232,6 +267,8 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
 
         container.collection.register_instance(MetricDescriptor, descriptor)
 
+    register("mtp_loss", "MTP Loss", 104, format_as_float)
+    register("mtp_acceptance", "MTP Acceptance", 104, format_as_float)
     register("aux_loss", "Auxiliary Loss", 105, format_as_float)
     register("moe_max_tokens_per_expert", "Most Tokens of an Expert", 106, format_as_int)
     register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)
@@ -331,22 +368,46 @@ def get_batch_target_mask(batch: SequenceBatch) -> Tensor | None:
 @final
 class LMLossComputer:
     """Computes the summed next-token loss of a batch, adds the weighted
-    auxiliary loss of the model, and updates the metrics."""
+    auxiliary loss of the model and the weighted loss of its MTP head, and
+    updates the metrics."""
 
     def __init__(
         self,
         model: Module,
         aux_loss_fn: AuxLossFn | None = None,
         aux_loss_weight: float = 0.0,
+        *,
+        mtp_loss_weight: float = 0.0,
     ) -> None:
+        """
+        :param mtp_loss_weight: The weight of the loss of the MTP head, if
+            the model has one; the model computes it if
+            :func:`setup_lm_loss` installed it (in training only with a
+            positive weight).
+        """
         self._model = model
         self._aux_loss_fn = aux_loss_fn
         self._aux_loss_weight = aux_loss_weight
+        self._mtp = find_mtp(model)
+        self._mtp_loss_weight = mtp_loss_weight
 
-    def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
+    def prepare_metric_bag(self, metric_bag: MetricBag, *, evaluation: bool = False) -> None:
+        """
+        :param evaluation: If ``True``, the bag of an evaluation, in which
+            the MTP head's acceptance is measured too.
+        """
         add_nll_loss_metric(metric_bag)
 
         add_seq_batch_metrics(metric_bag)
+
+        if self._mtp is not None:
+            # Per MTP target.
+            if self._mtp_loss_weight > 0.0 or evaluation:
+                metric_bag.add("mtp_loss", Mean())
+
+            if evaluation:
+                # Per MTP target; computed by the model in evaluation mode.
+                metric_bag.add("mtp_acceptance", Mean())
 
         if self._aux_loss_fn is not None:
             metric_bag.add("aux_loss", Mean())
@@ -378,6 +439,30 @@ class LMLossComputer:
         update_seq_batch_metrics(metric_bag, target_batch)
 
         loss = nll_loss
+
+        mtp_loss = None if self._mtp is None else self._mtp.pop_loss()
+
+        if mtp_loss is None and self._mtp is not None and self._mtp_loss_weight > 0.0:
+            raise InternalError("The model computed no MTP loss.")
+
+        if mtp_loss is not None:
+            # A batch may have no MTP target (documents of one token).
+            num_mtp_targets = mtp_loss.num_targets.clamp(min=1)
+
+            mean_mtp_loss = mtp_loss.nll_loss / num_mtp_targets
+
+            metric_bag.get("mtp_loss", Mean).update(mean_mtp_loss.detach(), weight=mtp_loss.num_targets)
+
+            # Measured in evaluation mode, where the bag has the metric.
+            if mtp_loss.num_accepted is not None:
+                metric_bag.get("mtp_acceptance", Mean).update(
+                    mtp_loss.num_accepted / num_mtp_targets, weight=mtp_loss.num_targets
+                )
+
+            # A mean over the MTP targets, weighted relative to the mean
+            # next-token loss as `loss` is normalized after the backward pass.
+            if self._mtp_loss_weight > 0.0:
+                loss = loss + (self._mtp_loss_weight * num_targets) * mean_mtp_loss
 
         # The auxiliary loss of the model (MoE load balancing) is a per-batch
         # mean, while `loss` is summed over targets and normalized by their
@@ -436,7 +521,7 @@ class LMLossEvalUnit(EvalUnit[SequenceBatch]):
 
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
-        self._loss_computer.prepare_metric_bag(metric_bag)
+        self._loss_computer.prepare_metric_bag(metric_bag, evaluation=True)
 
     @override
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO, cast, final
 
+import torch
+from torch import Tensor
 from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
@@ -22,13 +24,17 @@ from fairseq2.error import InternalError
 from fairseq2.file_system import FileMode
 from fairseq2.gang import Gangs
 from fairseq2.generation import SequenceGenerator
-from fairseq2.metrics import MetricBag
+from fairseq2.metrics import Mean, MetricBag
 from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
+from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn import BatchLayout
 from fairseq2.recipe.base import RecipeContext
 from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
+from qwen35_fs2.nn.mtp import find_mtp
+from qwen35_fs2.recipes.loss import compute_mtp_loss
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionExample,
@@ -208,9 +214,16 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
         self._output_stream = output_stream
 
+        model = generator.model
+
+        self._mtp = find_mtp(model) if isinstance(model, TransformerLM) else None
+
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
         add_seq_generator_metrics(metric_bag)
+
+        if self._mtp is not None:
+            metric_bag.add("mtp_acceptance", Mean())
 
     @final
     @override
@@ -223,11 +236,18 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
 
         responses = []
 
+        response_seqs = []
+
         for hypotheses in output.hypotheses:
             if not hypotheses:
                 raise InternalError("The sequence generator returned no hypothesis.")
 
             responses.append(self._decoder(hypotheses[0].seq))
+
+            response_seqs.append(hypotheses[0].seq)
+
+        if self._mtp is not None:
+            self._measure_mtp_acceptance(seqs, seqs_layout, response_seqs, metric_bag)
 
         records = self.make_records(get_batch_examples(batch), responses, metric_bag)
 
@@ -239,6 +259,53 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
             self._output_stream.write("\n")
 
         self._output_stream.flush()
+
+    @torch.no_grad()
+    def _measure_mtp_acceptance(
+        self, seqs: Tensor, seqs_layout: BatchLayout, responses: list[Tensor], metric_bag: MetricBag
+    ) -> None:
+        """Updates ``mtp_acceptance`` with the fraction of the response
+        tokens (after the first) that the MTP head drafts as the model
+        generated them: on its own greedy responses, the tokens one-step MTP
+        speculative decoding would accept."""
+        model = self._generator.model
+
+        if not isinstance(model, TransformerLM) or self._mtp is None:
+            raise InternalError("The model has no MTP head.")
+
+        # Each prompt and its response as a document of a packed batch, the
+        # responses the targets.
+        docs, masks = [], []
+
+        for row, (seq_len, response) in enumerate(zip(seqs_layout.seq_lens, responses)):
+            prompt = seqs[row, :seq_len]
+
+            docs.append(torch.cat([prompt, response.to(prompt.device)]))
+
+            # The first response token comes from the prompt's pass, not
+            # from a draft.
+            masks.append(torch.arange(docs[-1].size(0), device=prompt.device) > seq_len)
+
+        batch = SequenceBatch(torch.cat(docs), [d.size(0) for d in docs], packed=True, target_mask=torch.cat(masks))
+
+        input_batch, target_batch = batch.as_auto_regressive()
+
+        input_seqs, input_layout = input_batch.as_input()
+
+        embeds, embeds_layout = model.decoder_frontend(input_seqs, input_layout)
+
+        hidden = model.decoder(embeds, embeds_layout)
+
+        loss = compute_mtp_loss(
+            model, self._mtp, hidden, input_layout, target_batch.seqs, target_batch.target_mask, acceptance=True
+        )
+
+        if loss.num_accepted is None:
+            raise InternalError("`loss.num_accepted` is `None`.")
+
+        metric_bag.get("mtp_acceptance", Mean).update(
+            loss.num_accepted / loss.num_targets.clamp(min=1), weight=loss.num_targets
+        )
 
     @abstractmethod
     def make_records(

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from functools import partial
 from types import MethodType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -43,11 +43,25 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
+from torch.nn import Module
+
+from fairseq2.error import InternalError
 from fairseq2.models.transformer_lm import TransformerLM
-from fairseq2.nn import ColumnShardedLinear, Linear, Projection, TiedProjection
+from fairseq2.nn import BatchLayout, ColumnShardedLinear, Linear, Projection, TiedProjection
 from fairseq2.nn.functional import cross_entropy
 
+from qwen35_fs2.nn.mtp import (
+    MtpLoss,
+    Qwen35MultiTokenPredictor,
+    mtp_target_mask,
+    pass_batch_layout_to_mtp,
+    shift_mtp_targets,
+)
 from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
+
+MtpLossMode: TypeAlias = Literal["off", "eval", "train"]
+"""When the loss of a model's MTP head is computed: never, in evaluation
+mode only, or always."""
 
 DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
 """
@@ -477,10 +491,22 @@ def _count_loss_targets(
 
 
 def install_chunked_lm_loss(
-    model: TransformerLM, *, chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    model: TransformerLM,
+    *,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    mtp_loss: MtpLossMode = "off",
 ) -> TransformerLM:
     """Makes ``model(seqs, layout, targets, ...)`` compute its loss with
     :func:`chunked_cross_entropy`, and returns ``model``.
+
+    With ``mtp_loss`` ``"train"``, the same call computes the loss of the
+    model's MTP head too (:func:`compute_mtp_loss`); with ``"eval"``, only
+    when the model is in evaluation mode (the head's loss and acceptance are
+    measured, not trained). :meth:`~qwen35_fs2.nn.mtp.Qwen35MultiTokenPredictor.pop_loss`
+    then returns it, and the model's return value stays its next-token loss.
+    It runs
+    in the model's forward pass, so that FSDP, DDP and autocast treat the head
+    as the rest of the model.
 
     The training recipes install it on the model they train
     (:func:`~qwen35_fs2.recipes.common.setup_lm_loss`); call it on a model
@@ -490,7 +516,19 @@ def install_chunked_lm_loss(
     :class:`TransformerLM` is final, so its ``compute_fused_loss`` is replaced
     on the instance, as fairseq2's own ``compile_loss`` does.
     """
-    loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size)
+    if mtp_loss not in ("off", "eval", "train"):
+        raise ValueError(f"`mtp_loss` must be 'off', 'eval' or 'train', but is '{mtp_loss}' instead.")
+
+    if mtp_loss != "off":
+        if not isinstance(getattr(model, "mtp", None), Qwen35MultiTokenPredictor):
+            raise ValueError(
+                f"`model` must have an MTP head (`model.mtp`) when `mtp_loss` is '{mtp_loss}', but has none. Build it with `mtp_num_layers: 1`."
+            )
+
+        # The loss gets the trunk's output, but the head needs the layout.
+        model.register_forward_pre_hook(pass_batch_layout_to_mtp, with_kwargs=True)
+
+    loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size, mtp_loss=mtp_loss)
 
     model.compute_fused_loss = MethodType(loss_fn, model)  # type: ignore[method-assign]
 
@@ -506,8 +544,9 @@ def _compute_chunked_fused_loss(
     target_mask: Tensor | None = None,
     reduction: Literal["sum", "mean"] = "sum",
     chunk_size: int,
+    mtp_loss: MtpLossMode,
 ) -> Tensor:
-    return chunked_cross_entropy(
+    loss = chunked_cross_entropy(
         decoder_output,
         model.final_proj,
         targets,
@@ -517,3 +556,106 @@ def _compute_chunked_fused_loss(
         reduction=reduction,
         chunk_size=chunk_size,
     )
+
+    if mtp_loss == "train" or (mtp_loss == "eval" and not model.training):
+        mtp = model.mtp
+
+        if not isinstance(mtp, Qwen35MultiTokenPredictor):
+            raise InternalError(f"`model.mtp` is of type `{type(mtp)}`.")
+
+        mtp.set_loss(
+            compute_mtp_loss(
+                model,
+                mtp,
+                decoder_output,
+                mtp.pop_batch_layout(),
+                targets,
+                target_mask,
+                label_smoothing=label_smoothing,
+                chunk_size=chunk_size,
+                acceptance=not model.training,
+            )
+        )
+
+    return loss
+
+
+def compute_mtp_loss(
+    model: TransformerLM,
+    mtp: Qwen35MultiTokenPredictor,
+    decoder_output: Tensor,
+    seqs_layout: BatchLayout,
+    targets: Tensor,
+    target_mask: Tensor | None,
+    *,
+    label_smoothing: float = 0.0,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    acceptance: bool = False,
+) -> MtpLoss:
+    """Returns the summed cross entropy of the MTP head's predictions of the
+    token after next: at position ``t`` the head takes the trunk's output
+    and the embedding of ``targets[t]`` and predicts ``targets[t + 1]``,
+    counted only within a document, outside padding and inside
+    ``target_mask`` (:func:`~qwen35_fs2.nn.mtp.mtp_target_mask`).
+
+    :param decoder_output: The trunk's output on the input of
+        ``seqs_layout``. *Shape:* :math:`(N,S,M)`, or :math:`(S,M)` if
+        packed.
+    :param targets: The next-token targets. *Shape:* :math:`(N,S)`, or
+        :math:`(S)` if packed.
+    :param acceptance: If ``True``, also counts the positions whose greedy
+        draft the trunk's greedy token at the next position accepts
+        (:attr:`MtpLoss.num_accepted`), from the logits of ``chunk_size``
+        tokens at a time.
+    """
+    embed = model.decoder_frontend.embed  # type: ignore[union-attr]
+
+    if not isinstance(embed, Module):
+        raise InternalError(f"`model.decoder_frontend.embed` is of type `{type(embed)}`.")
+
+    mtp_output = mtp(decoder_output, embed(targets), seqs_layout)
+
+    mtp_targets = shift_mtp_targets(targets)
+
+    mtp_mask = mtp_target_mask(seqs_layout, target_mask)
+
+    nll_loss = chunked_cross_entropy(
+        mtp_output,
+        model.final_proj,
+        mtp_targets,
+        model.pad_idx,
+        label_smoothing=label_smoothing,
+        target_mask=mtp_mask,
+        reduction="sum",
+        chunk_size=chunk_size,
+    )
+
+    num_targets = _count_loss_targets(mtp_targets.flatten(), model.pad_idx, mtp_mask.flatten())
+
+    if not acceptance:
+        return MtpLoss(nll_loss, num_targets)
+
+    with torch.no_grad():
+        drafts = _greedy_tokens(mtp_output, model.final_proj, chunk_size)
+
+        # The trunk's greedy token at t + 1 verifies the draft of t.
+        verified = shift_mtp_targets(_greedy_tokens(decoder_output, model.final_proj, chunk_size))
+
+        counted = mtp_mask if model.pad_idx is None else mtp_mask & mtp_targets.ne(model.pad_idx)
+
+        num_accepted = (drafts.eq(verified) & counted).sum()
+
+    return MtpLoss(nll_loss, num_targets, num_accepted)
+
+
+def _greedy_tokens(hidden: Tensor, final_proj: Projection, chunk_size: int) -> Tensor:
+    """Returns the most likely token at each position of ``hidden``, from the
+    logits of at most ``chunk_size`` positions at once."""
+    flat_hidden = hidden.flatten(0, -2)
+
+    tokens = [
+        final_proj(flat_hidden[begin : begin + chunk_size]).argmax(-1)
+        for begin in range(0, flat_hidden.size(0), chunk_size)
+    ]
+
+    return torch.cat(tokens).view(hidden.shape[:-1])

@@ -46,6 +46,8 @@ NO_WEIGHT_DECAY_PARAMS: Final = (
     r".*_norm\.weight$",
     # The gated norm of Gated DeltaNet (`linear_attn.norm`).
     r".*\.norm\.weight$",
+    # The input norms of the MTP head.
+    r".*\.pre_fc_norm_(embedding|hidden)\.weight$",
     r".*\.bias$",
     # The depthwise convolution of Gated DeltaNet.
     r".*\.conv1d\.weight$",

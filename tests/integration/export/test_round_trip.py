@@ -4,6 +4,7 @@ both expert layouts, the vision tower and MTP head copied through."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,11 @@ def test_export_reproduces_the_base_bit_for_bit(spec: TinyQwen35Spec, base_dirs:
     expected_config = read_config(base_dir)
     actual_config = read_config(tmp_path / "out")
 
-    assert qwen35_config_from_hf(actual_config) == qwen35_config_from_hf(expected_config)
+    # The export counts the MTP layers it holds; transformers writes no
+    # `mtp_num_hidden_layers`, read as 0.
+    expected_model_config = replace(qwen35_config_from_hf(expected_config), mtp_num_layers=int(spec.add_mtp))
+
+    assert qwen35_config_from_hf(actual_config) == expected_model_config
 
     assert actual_config["architectures"] == expected_config["architectures"]
     assert actual_config.get("vision_config") == expected_config.get("vision_config")

@@ -67,6 +67,10 @@ def _hf_state_dict(config: Qwen35Config, layout: str) -> dict[str, Tensor]:
     if layout == "qwen3_next":
         hg = _pack_qwen3_next(hg, config)
 
+    if layout == "nested_mtp":
+        # The MTP head as some re-exports store it.
+        hg = {("model.language_model." + k) if k.startswith("mtp.") else k: v for k, v in hg.items()}
+
     return {k: v.contiguous() for k, v in hg.items() if isinstance(v, Tensor)}
 
 
@@ -140,6 +144,12 @@ def _moe_config(tied: bool) -> Qwen35MoeConfig:
     return config
 
 
+def _with_mtp(config: Qwen35Config) -> Qwen35Config:
+    config.mtp_num_layers = 1
+
+    return config
+
+
 def _untied_config() -> Qwen35Config:
     config = tiny_qwen35_config()
 
@@ -158,8 +168,12 @@ class TestLoadHfCheckpointShards:
             (_moe_config(tied=False), "fused"),
             (_moe_config(tied=True), "per_expert"),
             (_moe_config(tied=False), "qwen3_next"),
+            (_with_mtp(tiny_qwen35_config()), "text"),
+            (_with_mtp(_untied_config()), "nested_mtp"),
+            (_with_mtp(_moe_config(tied=False)), "fused"),
+            (_with_mtp(_moe_config(tied=True)), "per_expert"),
         ],
-        ids=["dense-tied", "dense-vlm", "dense-untied", "moe-fused", "moe-per-expert-tied", "qwen3-next"],
+        ids=["dense-tied", "dense-vlm", "dense-untied", "moe-fused", "moe-per-expert-tied", "qwen3-next", "dense-mtp", "dense-nested-mtp", "moe-fused-mtp", "moe-per-expert-mtp"],
     )
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
     @pytest.mark.parametrize(("tp_size", "tp_rank"), [(1, 0), (2, 1)], ids=["tp1", "tp2-rank1"])
@@ -184,6 +198,8 @@ class TestLoadHfCheckpointShards:
         names = [name for name, _ in model.named_parameters()]
 
         assert names, "The model must have parameters."
+
+        assert any(name.startswith("mtp.") for name in names) == (config.mtp_num_layers > 0)
 
         for name, param in model.named_parameters():
             value = expected[name]

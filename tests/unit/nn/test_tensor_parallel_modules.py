@@ -166,6 +166,14 @@ def _four_key_heads(config: Qwen35Config) -> Qwen35Config:
     return config
 
 
+def _with_mtp(config: Qwen35Config) -> Qwen35Config:
+    """``config`` with an MTP head, whose decoder layer shards as the
+    trunk's."""
+    config.mtp_num_layers = 1
+
+    return config
+
+
 class TestGetQwen35ShardSpecs:
     @pytest.mark.parametrize(
         ("config", "tp_size"),
@@ -174,8 +182,10 @@ class TestGetQwen35ShardSpecs:
             # Key/value heads replicated.
             (_four_key_heads(tiny_qwen35_config()), 4),
             (tiny_qwen35_moe_config(), 2),
+            (_with_mtp(tiny_qwen35_config()), 2),
+            (_with_mtp(tiny_qwen35_moe_config()), 2),
         ],
-        ids=["dense", "replicated-key-values", "moe"],
+        ids=["dense", "replicated-key-values", "moe", "dense-mtp", "moe-mtp"],
     )
     def test_matches_the_shard_dims_of_the_modules(self, config: Qwen35Config, tp_size: int) -> None:
         model = create_on_meta(config, fake_tp_gangs(tp_size))

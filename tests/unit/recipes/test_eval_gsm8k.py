@@ -79,3 +79,75 @@ class TestGsm8kEvalUnit:
         assert records[1]["generation"] == _GENERATIONS[1]
 
         assert records[0]["question"] == _EXAMPLES[0]["prompt"]
+
+
+class TestMtpAcceptanceInEvaluation:
+    def test_measures_the_drafts_the_greedy_generations_accept(self, tokenizer: Qwen35Tokenizer) -> None:
+        from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
+
+        from qwen35_fs2.models.qwen35 import create_qwen35_model
+        from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, tiny_qwen35_config
+
+        torch.manual_seed(0)
+
+        config = tiny_qwen35_config()
+
+        config.vocab_size = 248_320
+        config.pad_idx = ENDOFTEXT_IDX
+        config.mtp_num_layers = 1
+        config.tied_embeddings = False
+
+        model = create_qwen35_model(config).eval()
+
+        # Four tokens dominate the output projection, so that drafts and
+        # generated tokens agree at some positions and not at others.
+        with torch.no_grad():
+            final_proj = model.final_proj.weight
+
+            final_proj[1000:1004] = torch.randn(4, final_proj.size(1), generator=torch.Generator().manual_seed(1))
+
+        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=12, temperature=1.0)
+
+        reader = create_prompt_reader(_EXAMPLES, tokenizer, create_fake_gangs(CPU), batch_size=3, prefetch=0)
+
+        [batch] = next(reader)
+
+        unit = Gsm8kEvalUnit(generator, tokenizer, None)
+
+        metric_bag = MetricBag(CPU)
+
+        unit.prepare_metric_bag(metric_bag)
+
+        with torch.no_grad():
+            unit.process_batch(batch, metric_bag)
+
+            # Independently, example by example: the head's draft at t (from
+            # the trunk at t and token t + 1) against the trunk's greedy
+            # token at t + 1, for each response token after the first.
+            seqs, layout = batch.as_input()
+
+            output = generator(seqs, layout)
+
+            accepted, counted = 0, 0
+
+            for row, (prompt_len, hypotheses) in enumerate(zip(layout.seq_lens, output.hypotheses)):
+                full = torch.cat([seqs[row, :prompt_len], hypotheses[0].seq])
+
+                inputs = full[:-1].unsqueeze(0)
+
+                inputs_layout = BatchLayout.of(inputs)
+
+                greedy = model(inputs, inputs_layout).argmax(-1)[0]
+
+                hidden = model.decoder(*model.decoder_frontend(inputs, inputs_layout))
+
+                drafts = model.final_proj(model.mtp(hidden, model.decoder_frontend.embed(full[1:].unsqueeze(0)), inputs_layout)).argmax(-1)[0]
+
+                for t in range(prompt_len - 1, full.size(0) - 2):
+                    counted += 1
+
+                    accepted += int(drafts[t] == greedy[t + 1])
+
+        assert 0 < accepted < counted, (accepted, counted)
+
+        assert float(metric_bag.get("mtp_acceptance", Mean).compute()) == accepted / counted

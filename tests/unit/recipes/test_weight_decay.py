@@ -139,6 +139,28 @@ class TestDefaultParameterGroups:
 
         assert len(no_decay) + len(decay) == len(list(model.parameters()))
 
+    def test_mtp_head_decays_its_projections_only(self, recipe: str) -> None:
+        config = tiny_qwen35_config()
+
+        config.mtp_num_layers = 1
+
+        with torch.device("meta"):
+            model = create_qwen35_model(config)
+
+        no_decay, decay = _split_by_decay(model, _adamw(TRAINING_RECIPES[recipe]))
+
+        assert [n for n in no_decay if n.startswith("mtp.")] == [
+            "mtp.pre_fc_norm_embedding.weight",
+            "mtp.pre_fc_norm_hidden.weight",
+            "mtp.layers.0.self_attn_layer_norm.weight",
+            "mtp.layers.0.self_attn.q_norm.weight",
+            "mtp.layers.0.self_attn.k_norm.weight",
+            "mtp.layers.0.ffn_layer_norm.weight",
+            "mtp.layer_norm.weight",
+        ]
+
+        assert "mtp.fc.weight" in decay
+
     def test_moe_model_decays_all_but_the_listed_parameters(self, recipe: str) -> None:
         with torch.device("meta"):
             model = create_qwen35_moe_model(tiny_qwen35_moe_config())

@@ -31,10 +31,11 @@ from fairseq2.utils.progress import NOOP_PROGRESS_REPORTER
 from fairseq2.utils.structured import StructureError, ValueConverter
 from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
-from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
+from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
 from qwen35_fs2.hf.export.plan import check_architecture, plan_hf_export
 from qwen35_fs2.hf.export.repository import HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
+from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
@@ -89,6 +90,7 @@ def export_checkpoint(
     tokenizer: str | None = None,
     dtype: DataType | None = None,
     text_only: bool = False,
+    keep_base_mtp: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     force: bool = False,
     adapter: bool = False,
@@ -169,6 +171,7 @@ def export_checkpoint(
         dtype=dtype,
         text_only=text_only,
         tokenizer_dir=tokenizer_dir,
+        keep_base_mtp=keep_base_mtp,
     )
 
     write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)
@@ -431,6 +434,13 @@ def _hf_source(path: Path) -> _Source:
         config = qwen35_config_from_hf(load_hf_config(path))
     except (FileNotFoundError, ValueError) as ex:
         raise CheckpointError(f"{path} is not a Qwen3.5 Hugging Face model: {ex}") from None
+
+    try:
+        keys = index_safetensors(path).keys()
+    except CorruptModelCheckpointError as ex:
+        raise CheckpointError(str(ex)) from None
+
+    config = drop_absent_mtp_head(config, keys, path)
 
     family_name = _family_name_of(config)
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fairseq2.data_type import DataType
+from fairseq2.logging import log
 
 from qwen35_fs2.hf.config import qwen35_config_from_hf
 from qwen35_fs2.hf.export.config import build_hf_config
@@ -26,9 +27,12 @@ from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 
 _VISUAL_KEY: Final = re.compile(r"^model\.visual\.")
 
-_MTP_KEY: Final = re.compile(r"^mtp\.")
+# The MTP head, in either layout of a base.
+_MTP_KEY: Final = re.compile(r"^(model\.language_model\.)?mtp\.")
 
-_MTP_LAYER_KEY: Final = re.compile(r"^mtp\.layers\.([0-9]+)\.")
+_MTP_LAYER_KEY: Final = re.compile(r"^(?:model\.language_model\.)?mtp\.layers\.([0-9]+)\.")
+
+_VLM_MTP_PREFIX: Final = VLM_TEXT_PREFIX + "mtp."
 
 # Files of a base repository that an export carries over: generation
 # defaults, tokenizer, chat template and licence. The processor configs
@@ -125,6 +129,7 @@ def plan_hf_export(
     dtype: DataType | None = None,
     text_only: bool = False,
     tokenizer_dir: Path | None = None,
+    keep_base_mtp: bool = False,
 ) -> HfExportPlan:
     """Decides the config, tensors and files of an export.
 
@@ -136,6 +141,11 @@ def plan_hf_export(
         the dtype it has in ``base`` (in the model without a base).
     :param text_only: If ``True``, writes ``Qwen3_5ForCausalLM`` without the
         vision tower. Implied without a base, which has no tower to carry.
+    :param keep_base_mtp: If ``True``, the MTP head is the base's, copied as
+        it is, instead of the model's. A model without a head gets the base's
+        anyway (a warning says it is untrained). The config's
+        ``mtp_num_hidden_layers`` counts the layers of the head the export
+        holds, none if it holds none.
     :param tokenizer_dir: Without a base (a model trained from scratch), the
         Hugging Face tokenizer directory the model was trained with: its files
         are copied and the generation config ends text with its end tokens,
@@ -154,6 +164,11 @@ def plan_hf_export(
 
     hg_state_dict = lay_out_experts(hg_state_dict, expert_layout or "per_expert")
 
+    copy_base_mtp = _copies_base_mtp(hg_state_dict, base, keep_base_mtp)
+
+    if copy_base_mtp:
+        hg_state_dict = {k: v for k, v in hg_state_dict.items() if not _MTP_KEY.match(k)}
+
     if base is not None and config.tied_embeddings:
         # Some tied checkpoints store their (identical) output weights too.
         lm_head_key = "lm_head.weight"
@@ -162,7 +177,10 @@ def plan_hf_export(
             hg_state_dict[lm_head_key] = hg_state_dict["model.embed_tokens.weight"]
 
     if is_vlm:
-        hg_state_dict = {_to_vlm_key(k): v for k, v in hg_state_dict.items()}
+        # The MTP head too, if the base nests it (some re-exports do).
+        nested_mtp = base is not None and any(k.startswith(_VLM_MTP_PREFIX) for k in base.tensors)
+
+        hg_state_dict = {_to_vlm_key(k, nested_mtp): v for k, v in hg_state_dict.items()}
 
     tensors: dict[str, _PlannedTensor] = {}
 
@@ -180,10 +198,13 @@ def plan_hf_export(
     if base is not None:
         check_architecture(base, config)
 
-        base_entries = _match_base_tensors(tensors, base, is_vlm)
+        base_entries = _match_base_tensors(tensors, base, is_vlm, match_mtp=not copy_base_mtp)
 
         for key, entry in base.tensors.items():
-            if _MTP_KEY.match(key) or (is_vlm and _VISUAL_KEY.match(key)):
+            if (copy_base_mtp and _MTP_KEY.match(key)) or (is_vlm and _VISUAL_KEY.match(key)):
+                if not is_vlm:
+                    key = key.removeprefix(VLM_TEXT_PREFIX)
+
                 tensors[key] = _PlannedTensor(entry, entry.dtype, entry.shape)
 
                 base_entries[key] = entry
@@ -207,7 +228,10 @@ def plan_hf_export(
         if dtype is not None:
             target_dtype = dtype
         elif base is not None:
-            target_dtype = base_entries[key].dtype
+            # The model's MTP head has no entry in a base without one.
+            base_entry = base_entries.get(key)
+
+            target_dtype = base.dtype if base_entry is None else base_entry.dtype
         else:
             target_dtype = tensor.dtype
 
@@ -312,8 +336,35 @@ def _check_tied_embeddings(state_dict: Mapping[str, Tensor], config: Qwen35Confi
     )
 
 
-def _to_vlm_key(key: str) -> str:
-    if key.startswith("model."):
+def _copies_base_mtp(
+    hg_state_dict: Mapping[str, object], base: HfRepository | None, keep_base_mtp: bool
+) -> bool:
+    """Whether the export takes its MTP head from ``base`` rather than from
+    the model (``hg_state_dict``)."""
+    if keep_base_mtp and base is None:
+        raise HfExportError(
+            "`keep_base_mtp` must be False without a base model, but is True instead. The base's MTP head can only be kept when there is a base."
+        )
+
+    if base is None or not any(_MTP_KEY.match(k) for k in base.tensors):
+        return False
+
+    if not any(_MTP_KEY.match(k) for k in hg_state_dict):
+        log.warning(
+            "The model has no MTP head (`mtp_num_layers: 0`), so the export carries the one of the base model {}, as it is: it was not trained with the model, and speculative decoding accepts fewer of its draft tokens.",
+            base.path,
+        )
+
+        return True
+
+    if keep_base_mtp:
+        log.info("The export carries the MTP head of the base model {} instead of the model's, as asked.", base.path)
+
+    return keep_base_mtp
+
+
+def _to_vlm_key(key: str, nested_mtp: bool) -> str:
+    if key.startswith("model.") or (nested_mtp and key.startswith("mtp.")):
         return VLM_TEXT_PREFIX + key.removeprefix("model.")
 
     return key
@@ -367,20 +418,30 @@ def check_architecture(base: HfRepository, config: Qwen35Config) -> None:
 
 
 def _match_base_tensors(
-    tensors: Mapping[str, _PlannedTensor], base: HfRepository, is_vlm: bool
+    tensors: Mapping[str, _PlannedTensor], base: HfRepository, is_vlm: bool, *, match_mtp: bool
 ) -> dict[str, SafetensorsTensor]:
     """Returns the entry of ``base`` for each of the model's tensors, checking
-    that they are the same tensors in name and shape."""
+    that they are the same tensors in name and shape; the MTP head's too if
+    ``match_mtp`` and the base has one (a model may bring a head to a base
+    without one)."""
     base_keys = {}
 
+    base_has_mtp = any(_MTP_KEY.match(k) for k in base.tensors)
+
     for key, entry in base.tensors.items():
-        if _MTP_KEY.match(key) or _VISUAL_KEY.match(key):
+        if _VISUAL_KEY.match(key) or (_MTP_KEY.match(key) and not match_mtp):
             continue
 
-        if not is_vlm and key.startswith(VLM_TEXT_PREFIX):
-            key = "model." + key.removeprefix(VLM_TEXT_PREFIX)
+        if not is_vlm:
+            if key.startswith(_VLM_MTP_PREFIX):
+                key = key.removeprefix(VLM_TEXT_PREFIX)
+            elif key.startswith(VLM_TEXT_PREFIX):
+                key = "model." + key.removeprefix(VLM_TEXT_PREFIX)
 
         base_keys[key] = entry
+
+    if not base_has_mtp:
+        tensors = {k: v for k, v in tensors.items() if not _MTP_KEY.match(k)}
 
     missing = sorted(base_keys.keys() - tensors.keys())
     extra = sorted(tensors.keys() - base_keys.keys())

@@ -35,6 +35,7 @@ def save_hf_model(
     force: bool = False,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
     tokenizer_dir: str | Path | None = None,
+    keep_base_mtp: bool = False,
 ) -> None:
     """Saves a Qwen3.5 model as a Hugging Face repository; the inverse of
     :func:`~qwen35_fs2.hf.loading.load_hf_model`.
@@ -52,6 +53,8 @@ def save_hf_model(
     :param max_shard_size: The largest safetensors shard in bytes.
     :param tokenizer_dir: Without ``base``, the Hugging Face tokenizer
         directory to ship with the model; see :func:`plan_hf_export`.
+    :param keep_base_mtp: If ``True``, the MTP head is the base's instead of
+        the model's; see :func:`plan_hf_export`.
 
     :raises HfExportError: if ``base`` does not match the model or the export
         cannot be written; ``out_dir`` is unchanged then.
@@ -84,6 +87,7 @@ def save_hf_model(
         dtype=dtype,
         text_only=text_only,
         tokenizer_dir=None if tokenizer_dir is None else Path(tokenizer_dir),
+        keep_base_mtp=keep_base_mtp,
     )
 
     write_hf_export(plan, out_dir, force=force, max_shard_size=max_shard_size)

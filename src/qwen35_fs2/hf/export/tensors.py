@@ -14,7 +14,11 @@ from fairseq2.models.utils.checkpoint import convert_state_dict, create_reverse_
 
 from qwen35_fs2.hf.export.repository import FUSED_EXPERT_KEY, PER_EXPERT_KEY, ExpertLayout, HfExportError
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.models.qwen35.interop import convert_to_hg_state_dict
+from qwen35_fs2.models.qwen35.interop import (
+    convert_to_hg_state_dict,
+    hg_trunk_layers_as_mtp_layers,
+    mtp_layers_as_fs2_trunk_layers,
+)
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.interop import _HG_MOE_KEY_MAP
 
@@ -29,10 +33,13 @@ def to_hg_state_dict(
     state_dict: Mapping[str, object], config: Qwen35Config
 ) -> dict[str, object]:
     """Converts a fairseq2 state dict of either family to Hugging Face keys
-    in the text-only layout; MoE experts come out fused, as fairseq2 stores
-    them."""
+    in the text-only layout (the MTP head as ``mtp.*``); MoE experts come out
+    fused, as fairseq2 stores them."""
     if not isinstance(config, Qwen35MoeConfig):
         return convert_to_hg_state_dict(state_dict, config)
+
+    # The MTP head's MoE block converts as a trunk layer's.
+    state_dict = mtp_layers_as_fs2_trunk_layers(state_dict, config)
 
     moe_state_dict = {}
     other_state_dict = {}
@@ -47,7 +54,7 @@ def to_hg_state_dict(
 
     converted.update(convert_state_dict(moe_state_dict, _HG_MOE_REVERSE_KEY_MAP))
 
-    return converted
+    return hg_trunk_layers_as_mtp_layers(converted, config)
 
 
 class StateDictShapeError(HfExportError):

@@ -102,6 +102,14 @@ class Qwen35Config:
     embeddings (Hugging Face's ``initializer_range``).
     """
 
+    mtp_num_layers: int = 0
+    """
+    The number of decoder layers of the multi-token-prediction head (Hugging
+    Face's ``mtp_num_hidden_layers``): ``0`` for none, or ``1``, the head of
+    the released checkpoints, which predicts the token after next (see
+    :class:`~qwen35_fs2.nn.mtp.Qwen35MultiTokenPredictor`).
+    """
+
     gdn_backend: GdnBackendRequest = "auto"
     """
     The kernels of the Gated DeltaNet layers: ``torch`` (pure PyTorch, runs
@@ -191,6 +199,11 @@ class Qwen35Config:
         if self.init_std <= 0.0:
             result.add_error(
                 f"`init_std` must be greater than 0, but is {self.init_std} instead."
+            )
+
+        if self.mtp_num_layers not in (0, 1):
+            result.add_error(
+                f"`mtp_num_layers` must be 0 or 1 (the released Qwen3.5 checkpoints have one MTP layer), but is {self.mtp_num_layers} instead."
             )
 
         if self.gdn_backend not in ("auto", "torch", "fla"):

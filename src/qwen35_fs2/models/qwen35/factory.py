@@ -31,6 +31,7 @@ from qwen35_fs2.models.qwen35.config import Qwen35Config, check_config
 from qwen35_fs2.nn.decoder import Qwen35Decoder
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
+from qwen35_fs2.nn.mtp import Qwen35MultiTokenPredictor
 from qwen35_fs2.nn.normalization import ZeroCenteredRMSNorm
 from qwen35_fs2.nn.rotary import PartialRotaryEncoder
 from qwen35_fs2.nn.tp import TiedVocabShardedProjection
@@ -60,7 +61,7 @@ class Qwen35Factory:
 
         final_proj = self.create_final_projection(embed)
 
-        return TransformerLM(
+        model = TransformerLM(
             config.model_dim,
             decoder_frontend,
             decoder,
@@ -68,6 +69,14 @@ class Qwen35Factory:
             config.pad_idx,
             config.max_seq_len,
         )
+
+        if config.mtp_num_layers > 0:
+            # `TransformerLM` is final and its forward pass is the trunk's:
+            # the head is a submodule that the LM path never calls, so its
+            # state-dict keys are `mtp.*`, as in the released checkpoints.
+            model.mtp = self.create_mtp()
+
+        return model
 
     def create_embedding(self) -> Embedding:
         config = self._config
@@ -111,7 +120,12 @@ class Qwen35Factory:
     ) -> Qwen35DecoderLayer:
         config = self._config
 
-        layer_type = config.get_layer_types()[layer_idx]
+        # The layers of the MTP head are numbered after the trunk's, as in
+        # vLLM, and are full-attention layers.
+        if layer_idx < config.num_layers:
+            layer_type = config.get_layer_types()[layer_idx]
+        else:
+            layer_type = "full_attention"
 
         mixer: MultiheadAttention | GatedDeltaNet
 
@@ -171,6 +185,33 @@ class Qwen35Factory:
             bias=False,
             inner_dim_scale=1.0,
             proj_init_fn=self._init_projection,
+        )
+
+    def create_mtp(self) -> Qwen35MultiTokenPredictor:
+        """Creates the multi-token-prediction head: its decoder layers are
+        :meth:`create_decoder_layer` of the indices after the trunk's."""
+        config = self._config
+
+        fc = Linear(
+            2 * config.model_dim,
+            config.model_dim,
+            bias=False,
+            init_fn=self._init_projection,
+        )
+
+        pos_encoder = self.create_position_encoder()
+
+        layers = [
+            self.create_decoder_layer(config.num_layers + idx, pos_encoder)
+            for idx in range(config.mtp_num_layers)
+        ]
+
+        return Qwen35MultiTokenPredictor(
+            fc,
+            pre_fc_norm_embedding=self.create_layer_norm(),
+            pre_fc_norm_hidden=self.create_layer_norm(),
+            layers=layers,
+            layer_norm=self.create_layer_norm(),
         )
 
     def create_final_projection(self, embed: Embedding) -> Projection:

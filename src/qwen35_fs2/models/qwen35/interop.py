@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Final
 
 import torch
@@ -45,14 +46,23 @@ _HG_KEY_MAP: Final = {
     r"^model\.layers\.([0-9]+)\.mlp\.down_proj\.":           r"decoder.layers.\1.ffn.output_proj.",
     r"^model\.norm\.":                                       r"decoder.layer_norm.",
     r"^lm_head\.":                                           r"final_proj.",
+    # The MTP head; its decoder layers go through the trunk's entries (see
+    # `mtp_layers_as_trunk_layers`).
+    r"^mtp\.fc\.":                                           r"mtp.fc.",
+    r"^mtp\.pre_fc_norm_embedding\.":                        r"mtp.pre_fc_norm_embedding.",
+    r"^mtp\.pre_fc_norm_hidden\.":                           r"mtp.pre_fc_norm_hidden.",
+    r"^mtp\.norm\.":                                         r"mtp.layer_norm.",
     # fmt: on
 }
 
 _VLM_PREFIX: Final = "model.language_model."
 
+# The MTP head as some re-exports store it.
+_VLM_MTP_PREFIX: Final = _VLM_PREFIX + "mtp."
+
 # Tensors of the released checkpoints that a text model does not use: the
-# vision tower and the multi-token-prediction head.
-_SKIPPED_KEY_PATTERNS: Final = (re.compile(r"^model\.visual\."), re.compile(r"^mtp\."))
+# vision tower.
+_SKIPPED_KEY_PATTERNS: Final = (re.compile(r"^model\.visual\."),)
 
 # Present in every Hugging Face checkpoint, never in a fairseq2 one.
 _HG_SENTINEL_KEYS: Final = ("model.embed_tokens.weight", _VLM_PREFIX + "embed_tokens.weight")
@@ -72,8 +82,10 @@ def convert_qwen35_state_dict(
     Native fairseq2 checkpoints (detected by the absence of the embedding's
     Hugging Face key) pass through unchanged, except for the duplicate
     ``final_proj.weight`` of tied models, so calling this on every shard of a
-    fairseq2 checkpoint is safe. The vision tower and the MTP head are
-    skipped; any other unknown key is an error, and so is an output
+    fairseq2 checkpoint is safe. The vision tower is skipped, and so is the
+    MTP head (``mtp.*`` or ``model.language_model.mtp.*``) if
+    ``config.mtp_num_layers`` is 0; any other unknown key is an error, and so
+    is an output
     projection that differs from the embedding table under tied embeddings
     (:func:`check_tied_output_weights`). Besides renaming, the rows of the
     Gated DeltaNet ``in_proj_qkv`` and ``conv1d`` weights are grouped by key
@@ -90,7 +102,12 @@ def convert_qwen35_state_dict(
 
         return state_dict
 
-    return convert_hg_text_state_dict(strip_vlm_prefix(state_dict), config)
+    text_state_dict = mtp_layers_as_trunk_layers(strip_vlm_prefix(state_dict), config)
+
+    with mtp_keys_in_errors(config):
+        converted = convert_hg_text_state_dict(text_state_dict, config)
+
+    return trunk_layers_as_mtp_layers(converted, config)
 
 
 def convert_hg_text_state_dict(
@@ -272,14 +289,16 @@ def _check_qkv_rows(key: str, value: object, segments: list[tuple[int, int]]) ->
 
 def strip_vlm_prefix(state_dict: Mapping[str, object]) -> dict[str, object]:
     """Returns the language-model tensors of ``state_dict`` in the text-only
-    layout, dropping the vision tower and the MTP head."""
+    layout (the MTP head as ``mtp.*``), dropping the vision tower."""
     text_state_dict: dict[str, object] = {}
 
     for key, value in state_dict.items():
         if any(p.match(key) for p in _SKIPPED_KEY_PATTERNS):
             continue
 
-        if key.startswith(_VLM_PREFIX):
+        if key.startswith(_VLM_MTP_PREFIX):
+            key = "mtp." + key[len(_VLM_MTP_PREFIX) :]
+        elif key.startswith(_VLM_PREFIX):
             key = "model." + key[len(_VLM_PREFIX) :]
 
         if key in text_state_dict:
@@ -290,6 +309,105 @@ def strip_vlm_prefix(state_dict: Mapping[str, object]) -> dict[str, object]:
         text_state_dict[key] = value
 
     return text_state_dict
+
+
+def has_mtp_tensors(keys: Collection[str]) -> bool:
+    """Returns ``True`` if a Hugging Face checkpoint with ``keys`` (either
+    layout) holds an MTP head."""
+    return any(key.startswith(("mtp.", _VLM_MTP_PREFIX)) for key in keys)
+
+
+_HG_LAYER_KEY: Final = re.compile(r"^model\.layers\.([0-9]+)\.")
+
+_HG_MTP_LAYER_KEY: Final = re.compile(r"^mtp\.layers\.([0-9]+)\.")
+
+_FS2_LAYER_KEY: Final = re.compile(r"^decoder\.layers\.([0-9]+)\.")
+
+_FS2_MTP_LAYER_KEY: Final = re.compile(r"^mtp\.layers\.([0-9]+)\.")
+
+
+def mtp_layers_as_trunk_layers(
+    text_state_dict: Mapping[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Returns ``text_state_dict`` (text-only layout) with the decoder layers
+    of the MTP head renamed to trunk layers numbered after the trunk's
+    (``mtp.layers.0.`` to ``model.layers.{num_layers}.``), as the factory
+    builds them, so that the trunk's conversion (key map, MoE experts)
+    converts them too; :func:`trunk_layers_as_mtp_layers` renames them back.
+    Without an MTP head in ``config``, drops the checkpoint's.
+
+    :raises StateDictError: if the checkpoint has trunk layers beyond
+        ``config.num_layers``, which the renamed MTP layers would take the
+        place of.
+    """
+    if config.mtp_num_layers == 0:
+        return {k: v for k, v in text_state_dict.items() if not k.startswith("mtp.")}
+
+    output: dict[str, object] = {}
+
+    extra_keys = []
+
+    for key, value in text_state_dict.items():
+        if (match := _HG_LAYER_KEY.match(key)) and int(match[1]) >= config.num_layers:
+            extra_keys.append(key)
+        elif (match := _HG_MTP_LAYER_KEY.match(key)) and int(match[1]) < config.mtp_num_layers:
+            key = f"model.layers.{config.num_layers + int(match[1])}.{key[match.end():]}"
+
+        output[key] = value
+
+    if extra_keys:
+        raise StateDictError(
+            f"The Hugging Face checkpoint has keys of layers beyond the {config.num_layers} of the model: {', '.join(sorted(extra_keys))}"
+        )
+
+    return output
+
+
+def trunk_layers_as_mtp_layers(
+    state_dict: Mapping[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Renames the fairseq2 keys of the trunk layers beyond
+    ``config.num_layers`` back to the MTP head's; see
+    :func:`mtp_layers_as_trunk_layers`."""
+    return _renumber_layers(state_dict, _FS2_LAYER_KEY, "mtp", -config.num_layers, config.num_layers)
+
+
+@contextmanager
+def mtp_keys_in_errors(config: Qwen35Config) -> Iterator[None]:
+    """Names the MTP head's layers as the checkpoint does (``mtp.layers.0.``)
+    in the :class:`StateDictError` of a conversion that took them as trunk
+    layers (:func:`mtp_layers_as_trunk_layers`)."""
+    try:
+        yield
+    except StateDictError as ex:
+        def rename(match: re.Match[str]) -> str:
+            layer_idx = int(match[1])
+
+            if layer_idx < config.num_layers:
+                return match[0]
+
+            return f"mtp.layers.{layer_idx - config.num_layers}."
+
+        raise StateDictError(_ANY_HG_LAYER_KEY.sub(rename, str(ex))) from None
+
+
+_ANY_HG_LAYER_KEY: Final = re.compile(r"\bmodel\.layers\.([0-9]+)\.")
+
+
+def _renumber_layers(
+    state_dict: Mapping[str, object], pattern: re.Pattern[str], prefix: str, offset: int, first: int
+) -> dict[str, object]:
+    """Renames the keys of the layers that ``pattern`` matches from index
+    ``first`` on to ``{prefix}.layers.{index + offset}.``."""
+    output: dict[str, object] = {}
+
+    for key, value in state_dict.items():
+        if (match := pattern.match(key)) and int(match[1]) >= first:
+            key = f"{prefix}.layers.{int(match[1]) + offset}.{key[match.end():]}"
+
+        output[key] = value
+
+    return output
 
 
 _HG_KEY_MAP_PATTERNS: Final = tuple(re.compile(p) for p in _HG_KEY_MAP)
@@ -316,8 +434,10 @@ def convert_to_hg_state_dict(
     put back in Hugging Face order (:func:`ungroup_qkv_rows`); no value
     changes: norm weights are stored zero-centred on both sides. With tied
     embeddings ``lm_head.weight`` is left out, as Hugging Face saves it. Any
-    key outside the table is an error.
+    key outside the table is an error. The MTP head comes out as ``mtp.*``.
     """
+    state_dict = mtp_layers_as_fs2_trunk_layers(state_dict, config)
+
     unknown_keys = [
         key
         for key in state_dict
@@ -339,4 +459,20 @@ def convert_to_hg_state_dict(
     if config.tied_embeddings:
         converted.pop("lm_head.weight", None)
 
-    return converted
+    return hg_trunk_layers_as_mtp_layers(converted, config)
+
+
+def mtp_layers_as_fs2_trunk_layers(
+    state_dict: Mapping[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """The export's :func:`mtp_layers_as_trunk_layers`: renames the fairseq2
+    keys of the MTP head's layers to trunk layers numbered after the
+    trunk's."""
+    return _renumber_layers(state_dict, _FS2_MTP_LAYER_KEY, "decoder", config.num_layers, 0)
+
+
+def hg_trunk_layers_as_mtp_layers(
+    hg_state_dict: Mapping[str, object], config: Qwen35Config
+) -> dict[str, object]:
+    """Inverts :func:`mtp_layers_as_fs2_trunk_layers` on Hugging Face keys."""
+    return _renumber_layers(hg_state_dict, _HG_LAYER_KEY, "mtp", -config.num_layers, config.num_layers)

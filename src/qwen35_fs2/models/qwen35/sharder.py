@@ -15,9 +15,9 @@ from fairseq2.sharder import ShardSpec
 
 from qwen35_fs2.models.qwen35.config import Qwen35Config
 
-LAYER_PATTERN: Final = r"^decoder\.layers\.[0-9]+\."
-"""The module paths of the decoder layers, as the patterns of the specs
-begin."""
+LAYER_PATTERN: Final = r"^(decoder|mtp)\.layers\.[0-9]+\."
+"""The module paths of the decoder layers (the trunk's and the MTP head's),
+as the patterns of the specs begin."""
 
 
 def get_qwen35_shard_specs(config: Qwen35Config) -> dict[str, ShardSpec]:

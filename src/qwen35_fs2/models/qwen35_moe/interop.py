@@ -18,7 +18,10 @@ from qwen35_fs2.models.qwen35.interop import (
     convert_hg_text_state_dict,
     convert_qwen35_state_dict,
     is_hg_state_dict,
+    mtp_keys_in_errors,
+    mtp_layers_as_trunk_layers,
     strip_vlm_prefix,
+    trunk_layers_as_mtp_layers,
 )
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen3_next.interop import (
@@ -67,8 +70,9 @@ def convert_qwen35_moe_state_dict(
     (``mlp.experts.{e}.{gate,up,down}_proj.weight``); both become the fused
     parameters of :class:`~qwen35_fs2.nn.moe.experts.RoutedExperts`. Missing,
     unknown or mis-shaped expert tensors raise a :class:`StateDictError`
-    naming them. The output projection is checked and native fairseq2
-    checkpoints pass through as in
+    naming them, in the trunk and in the MTP head alike. The output
+    projection is checked, the MTP head converted or skipped, and native
+    fairseq2 checkpoints pass through as in
     :func:`~qwen35_fs2.models.qwen35.interop.convert_qwen35_state_dict`.
     """
     if not is_hg_state_dict(state_dict):
@@ -79,7 +83,8 @@ def convert_qwen35_moe_state_dict(
     if is_qwen3_next_state_dict(state_dict):
         state_dict = unpack_qwen3_next_projections(state_dict, config)
 
-    text_state_dict = strip_vlm_prefix(state_dict)
+    # The MTP head's layer is an MoE layer numbered after the trunk's.
+    text_state_dict = mtp_layers_as_trunk_layers(strip_vlm_prefix(state_dict), config)
 
     moe_state_dict = {}
     other_state_dict = {}
@@ -92,11 +97,12 @@ def convert_qwen35_moe_state_dict(
         else:
             other_state_dict[key] = value
 
-    converted = convert_hg_text_state_dict(other_state_dict, config)
+    with mtp_keys_in_errors(config):
+        converted = convert_hg_text_state_dict(other_state_dict, config)
 
-    converted.update(convert_state_dict(_fuse_experts(moe_state_dict, config), _HG_MOE_KEY_MAP))
+        converted.update(convert_state_dict(_fuse_experts(moe_state_dict, config), _HG_MOE_KEY_MAP))
 
-    return converted
+    return trunk_layers_as_mtp_layers(converted, config)
 
 
 def _fuse_experts(
