@@ -11,6 +11,7 @@ from fairseq2.utils.validation import StandardObjectValidator
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.models.qwen35.config import Qwen35Config
+from qwen35_fs2.models.qwen35.interop import has_mtp_tensors
 from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter
 
 
@@ -29,6 +30,10 @@ def apply_lora(model: Module, config: LoraConfig, model_config: Qwen35Config) ->
     (docs/architecture.md), so its adapter's ``B`` rows are too: the update
     ``B A`` then has the weight's row order, and the export permutes ``B``'s
     rows as the converter permutes the weight's.
+
+    The multi-token-prediction head (``mtp.*``) gets no adapters and stays
+    frozen: transformers does not build it, so PEFT could not load adapters
+    on it, and an export would hold adapters that no server applies.
 
     Call it after loading the base weights: the adapters are new parameters
     that a base checkpoint does not have.
@@ -55,7 +60,10 @@ def apply_lora(model: Module, config: LoraConfig, model_config: Qwen35Config) ->
 
         hg_name = hg_module_name(name, module, model_config)
 
-        if hg_name is not None and hg_name.rsplit(".", 1)[-1] in targets:
+        if hg_name is None or has_mtp_tensors([hg_name]):
+            continue
+
+        if hg_name.rsplit(".", 1)[-1] in targets:
             selected[name] = (module, hg_name)
 
     unmatched = targets - {hg_name.rsplit(".", 1)[-1] for _, hg_name in selected.values()}

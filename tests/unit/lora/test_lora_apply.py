@@ -49,6 +49,23 @@ class TestApplyLora:
 
         assert set(adapters) == expected
 
+    def test_leaves_the_mtp_head_without_adapters(self) -> None:
+        # transformers (and so PEFT) does not build the MTP head: an adapter on
+        # it could not be exported as a PEFT adapter.
+        config = dataclasses.replace(tiny_qwen35_config(), mtp_num_layers=1)
+
+        model = create_qwen35_model(config)
+
+        adapters = apply_lora(model, LoraConfig(target_modules=["q_proj", "o_proj", "gate_proj", "down_proj"]), config)
+
+        expected = {"decoder.layers.3.self_attn.q_proj", "decoder.layers.3.self_attn.output_proj"}
+
+        expected.update(f"decoder.layers.{i}.ffn.{name}" for i in range(4) for name in ("gate_proj", "output_proj"))
+
+        assert set(adapters) == expected
+
+        assert not any(p.requires_grad for p in model.mtp.parameters())  # type: ignore[union-attr]
+
     def test_freezes_base_in_its_dtype_and_trains_only_adapters(self) -> None:
         config = tiny_qwen35_config()
 
