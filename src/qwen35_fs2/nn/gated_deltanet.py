@@ -350,6 +350,21 @@ class GatedDeltaNetDecay(Module, Sharded):
         return -A * F.softplus(a.to(dtype) + self.dt_bias.to(dtype))
 
     @override
+    def __setattr__(self, name: str, value: object) -> None:
+        # fairseq2's FSDP2 `summon_full_parameters`, in which its trainer
+        # validates, gathers every parameter and replaces it by a copy in the
+        # mixed-precision dtype (`apply_to_parameters`, not `_apply`): a copy
+        # of a parameter rounded to a lower precision keeps the parameter.
+        # Anything else is assigned as it is, FSDP's own parameters included.
+        if name in ("A_log", "dt_bias") and isinstance(value, Parameter):
+            current = self._parameters.get(name)
+
+            if current is not None and _is_rounded_copy(value, current):
+                value = current
+
+        super().__setattr__(name, value)
+
+    @override
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Module:
         # `Module.to()`, `.bfloat16()`, `.half()` and fairseq2's dtype casts
         # all end here: the parameters follow every device move but keep at
@@ -375,6 +390,20 @@ class GatedDeltaNetDecay(Module, Sharded):
 
 def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def _is_rounded_copy(value: Tensor, param: Tensor) -> bool:
+    """Whether ``value`` is ``param`` rounded to a lower precision."""
+    if type(param) is not Parameter or value.is_meta or param.is_meta:
+        return False
+
+    if value.shape != param.shape or value.device != param.device:
+        return False
+
+    if torch.promote_types(value.dtype, param.dtype) != param.dtype or value.dtype == param.dtype:
+        return False
+
+    return torch.equal(param.detach().to(value.dtype), value.detach())
 
 
 @cache

@@ -15,6 +15,7 @@ from torch.nn import Parameter
 
 from fairseq2.data_type import set_dtype
 from fairseq2.nn import BatchLayout
+from fairseq2.nn.utils.module import apply_to_parameters
 
 from qwen35_fs2 import load_hf_model
 from qwen35_fs2.models.qwen35 import create_qwen35_model
@@ -80,13 +81,30 @@ class TestGatedDeltaNetDecay:
     def test_warns_when_its_parameters_arrive_in_bf16(self, caplog: pytest.LogCaptureFixture) -> None:
         decay = GatedDeltaNetDecay(4)
 
-        # As FSDP at a granularity our applier does not see would cast them.
-        decay.A_log = Parameter(decay.A_log.detach().to(BF16))
+        # As FSDP at a granularity our applier does not see would gather them.
+        decay.A_log = Parameter(torch.randn(4, dtype=BF16))
 
         with caplog.at_level(logging.WARNING):
             decay(torch.randn(3, 4))
 
         assert any("arrive in torch.bfloat16" in r.getMessage() for r in caplog.records)
+
+
+    def test_parameters_stay_fp32_when_replaced_by_a_lower_precision_copy(self) -> None:
+        # fairseq2's FSDP2 `summon_full_parameters`, in which validation runs,
+        # gathers every parameter and replaces it by its copy in the
+        # mixed-precision dtype with fairseq2's `apply_to_parameters`.
+        layer = GatedDeltaNet(16, 1, 2, 8, 8, 4)
+
+        values = layer.decay.A_log.detach().clone()
+
+        apply_to_parameters(layer, lambda t: t.to(BF16) if isinstance(t, Parameter) else t)
+
+        assert layer.in_proj_qkv.weight.dtype == BF16
+
+        assert layer.decay.A_log.dtype == torch.float32 and layer.decay.dt_bias.dtype == torch.float32
+
+        assert torch.equal(layer.decay.A_log, values)
 
 
 class TestModelsInLowerPrecision:
