@@ -13,6 +13,7 @@ from fairseq2.nn import BatchLayout
 
 from hf_reference import HfReferenceBatch, TinyQwen35Spec
 from hf_reference.fixtures import TinyModelCache
+from hf_reference.tensors import random_padded_batch
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf
 from qwen35_fs2.hf.config import load_hf_config
 from qwen35_fs2.lora import LORA_TARGET_MODULES, LoraConfig, apply_lora, save_peft_adapter
@@ -47,19 +48,6 @@ _SPECS = {
 }
 
 
-def _padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-
-    seqs = torch.zeros((len(_SEQ_LENS), max(_SEQ_LENS)), dtype=torch.int64)
-    mask = torch.zeros_like(seqs)
-
-    for idx, n in enumerate(_SEQ_LENS):
-        seqs[idx, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
-        mask[idx, :n] = 1
-
-    return seqs, mask
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "rslora"), [("dense", False), ("dense", True), ("moe", False)])
 def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
@@ -87,7 +75,7 @@ def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_t
 
     save_peft_adapter(model, adapter_dir, config=lora_config, model_config=model_config, base_model_name_or_path=str(model_dir))
 
-    seqs, mask = _padded_batch(spec.vocab_size)
+    seqs, mask = random_padded_batch(spec.vocab_size, _SEQ_LENS)
 
     batch = HfReferenceBatch()
 

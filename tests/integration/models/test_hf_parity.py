@@ -19,6 +19,7 @@ from fairseq2.nn import BatchLayout
 
 from hf_reference import TinyQwen35Spec, hf_logits
 from hf_reference.fixtures import TinyModelCache
+from hf_reference.tensors import random_padded_batch
 from qwen35_fs2 import load_hf_model
 
 _SEQ_LENS = [1, 63, 64, 65, 300]
@@ -83,19 +84,6 @@ _SPECS = {
 }
 
 
-def _padded_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-
-    seqs = torch.zeros((len(_SEQ_LENS), max(_SEQ_LENS)), dtype=torch.int64)
-    mask = torch.zeros_like(seqs)
-
-    for idx, n in enumerate(_SEQ_LENS):
-        seqs[idx, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
-        mask[idx, :n] = 1
-
-    return seqs, mask
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(_SPECS))
 def test_logits_match_transformers(name: str, hf_tiny_models: TinyModelCache) -> None:
@@ -103,7 +91,7 @@ def test_logits_match_transformers(name: str, hf_tiny_models: TinyModelCache) ->
 
     model_dir = hf_tiny_models.get(spec)
 
-    seqs, mask = _padded_batch(spec.vocab_size)
+    seqs, mask = random_padded_batch(spec.vocab_size, _SEQ_LENS)
 
     expected = hf_logits(model_dir, seqs, attention_mask=mask)
 
@@ -155,7 +143,7 @@ def test_load_model_through_an_asset_card(hf_tiny_models: TinyModelCache, tmp_pa
         )
     )
 
-    seqs, _ = _padded_batch(spec.vocab_size)
+    seqs, _ = random_padded_batch(spec.vocab_size, _SEQ_LENS)
 
     seqs = seqs[-1:]
 

@@ -23,6 +23,7 @@ from fairseq2.nn import BatchLayout
 
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, ensure_hf_reference, hf_greedy_generate
 from hf_reference.fixtures import TinyModelCache
+from hf_reference.tensors import random_padded_batch
 from qwen35_fs2 import Qwen35MoeConfig, load_hf_model, qwen35_config_from_hf
 from qwen35_fs2.nn import Qwen35MoeBlock, collect_moe_statistics
 from qwen35_fs2.nn.moe.router import TopKRouter
@@ -85,19 +86,6 @@ _SPECS = {
 }
 
 
-def _padded_batch(vocab_size: int, seq_lens: list[int]) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(0)
-
-    seqs = torch.zeros((len(seq_lens), max(seq_lens)), dtype=torch.int64)
-    mask = torch.zeros_like(seqs)
-
-    for idx, n in enumerate(seq_lens):
-        seqs[idx, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
-        mask[idx, :n] = 1
-
-    return seqs, mask
-
-
 @pytest.fixture(scope="module")
 def reference(hf_tiny_models: TinyModelCache) -> dict[str, tuple[Path, Tensor]]:
     """Every spec's checkpoint and HF logits, from one reference subprocess."""
@@ -108,7 +96,7 @@ def reference(hf_tiny_models: TinyModelCache) -> dict[str, tuple[Path, Tensor]]:
     pending = {}
 
     for name, model_dir in zip(_SPECS, model_dirs):
-        seqs, mask = _padded_batch(_SPECS[name].vocab_size, _SEQ_LENS)
+        seqs, mask = random_padded_batch(_SPECS[name].vocab_size, _SEQ_LENS)
 
         pending[name] = (model_dir, batch.logits(model_dir, seqs, attention_mask=mask))
 
@@ -123,7 +111,7 @@ def test_logits_match_transformers(name: str, reference: dict[str, tuple[Path, T
 
     seq_lens = _SEQ_LENS
 
-    seqs, _ = _padded_batch(_SPECS[name].vocab_size, seq_lens)
+    seqs, _ = random_padded_batch(_SPECS[name].vocab_size, seq_lens)
 
     model = load_hf_model(model_dir, dtype=torch.float32).eval()
 
@@ -175,7 +163,7 @@ def test_load_balancing_loss_matches_transformers(name: str, hf_tiny_models: Tin
 
     seq_lens = [17, 40, 5]
 
-    seqs, mask = _padded_batch(spec.vocab_size, seq_lens)
+    seqs, mask = random_padded_batch(spec.vocab_size, seq_lens)
 
     model = load_hf_model(model_dir, dtype=torch.float32).train()
 
@@ -264,7 +252,7 @@ def test_qwen3_next_matches_transformers(name: str, tmp_path: Path) -> None:
 
     seq_lens = [90, 33, 1]
 
-    seqs, mask = _padded_batch(256, seq_lens)
+    seqs, mask = random_padded_batch(256, seq_lens)
 
     with torch.no_grad():
         expected = hf_model(input_ids=seqs, attention_mask=mask, output_router_logits=True)
