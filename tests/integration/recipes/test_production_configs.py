@@ -5,8 +5,8 @@
 ``recipes/qwen35_0.8b_fineweb_edu.yaml`` (continued pretraining), each under
 ``torchrun --nproc_per_node=2`` with the configuration file unchanged: FSDP2
 with static bf16 mixed precision, layerwise activation checkpointing, the
-fused AdamW with its no-decay group, the chunked loss and the capped
-validation.
+fused AdamW with its no-decay group, the chunked loss, the held-out
+validation examples and the capped validation.
 
 What differs is where the files come from and how long the runs are:
 
@@ -18,12 +18,10 @@ What differs is where the files come from and how long the runs are:
   ``openai/gsm8k`` and ``HuggingFaceFW/fineweb-edu`` are synthetic corpora of
   their schemas and file names (``qwen35_fs2.datasets.synthetic``);
 - the step counts and the tokens per batch (a CPU step of the real batch
-  would take hours): one step, with its metrics, a checkpoint and (FineWeb-Edu)
-  a validation after it, 1,024 tokens a rank; the SFT run does not validate
-  (its 256 held-out examples take 2.5 minutes at the real vocabulary, and the
-  FineWeb-Edu run validates through the same fairseq2 code); the evaluation
-  generates at most 64 tokens an answer instead of 512 (the random model
-  never stops early);
+  would take hours): one step, with its metrics, a checkpoint and a
+  validation after it (fairseq2 validates at the end of training), 1,024
+  tokens a rank; the evaluation generates at most 64 tokens an answer instead
+  of 512 (the random model never stops early);
 - the depth: the checkpoint has the real configuration and tensor shapes
   with 4 of the 24 layers (three Gated DeltaNet layers and one full-attention
   layer, the real pattern), which the asset card adopts from its config.json.
@@ -194,6 +192,14 @@ def _run_measured(command: str, output_dir: Path, config: str, overrides: list[s
     return ranks, time.monotonic() - start
 
 
+def _assert_decay_stayed_fp32(output_dir: Path) -> None:
+    """fairseq2 validates with every parameter gathered in bf16; the Gated
+    DeltaNet decay parameters must stay fp32 there too (the layers log a
+    warning otherwise)."""
+    for log_file in (output_dir / "logs").glob("rank_*.log"):
+        assert "decay parameters (A_log, dt_bias) arrive in" not in log_file.read_text()
+
+
 def test_sft_then_eval_configs_run_as_they_are(
     hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
 ) -> None:
@@ -210,6 +216,13 @@ def test_sft_then_eval_configs_run_as_they_are(
     # The model as released: an untrained head over 248,320 tokens starts near
     # log(248,320) = 12.4.
     assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
+
+    valid = read_metrics(sft_dir, "valid")
+
+    # The 256 held-out training examples, validated at the end of training.
+    assert valid[NUM_STEPS]["Number of Examples"] == 256
+
+    _assert_decay_stayed_fp32(sft_dir)
 
     checkpoint_dir = sft_dir / "checkpoints" / f"step_{NUM_STEPS}"
 
@@ -238,7 +251,6 @@ def test_fineweb_edu_config_runs_as_it_is(
 
     overrides = [
         *STEP_OVERRIDES,
-        f"regime.validate_every_n_steps={NUM_STEPS}",
         "dataset.max_seq_len=1024",
         "dataset.max_num_tokens=1024",
         # fla's kernels run on CUDA only (see the module docstring).
@@ -255,10 +267,7 @@ def test_fineweb_edu_config_runs_as_it_is(
 
     assert NUM_STEPS in read_metrics(output_dir, "valid")
 
-    # fairseq2 validates with every parameter gathered in bf16; the Gated
-    # DeltaNet decay parameters must stay fp32 there too.
-    for log_file in (output_dir / "logs").glob("rank_*.log"):
-        assert "decay parameters (A_log, dt_bias) arrive in" not in log_file.read_text()
+    _assert_decay_stayed_fp32(output_dir)
 
     assert (output_dir / "checkpoints" / f"step_{NUM_STEPS}").is_dir()
 
