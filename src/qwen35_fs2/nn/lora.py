@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Dropout, Module
 
+from fairseq2.error import NotSupportedError
 from fairseq2.nn import ColumnShardedLinear, Linear, Projection, RowShardedLinear
 
 
@@ -149,7 +150,7 @@ def add_lora_adapter(
         raise ValueError("`proj` must not have a LoRA adapter yet, but has one instead.")
 
     if isinstance(proj, (ColumnShardedLinear, RowShardedLinear)) and proj.tp_gang.size > 1:
-        raise NotImplementedError(
+        raise NotSupportedError(
             f"LoRA on tensor-parallel projections is not supported yet, but `proj` is sharded over {proj.tp_gang.size} ranks. "
             "Train LoRA with data parallelism (FSDP) and a tensor parallel size of 1."
         )

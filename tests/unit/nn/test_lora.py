@@ -5,9 +5,12 @@ import math
 import pytest
 import torch
 
+from fairseq2.error import NotSupportedError
 from fairseq2.nn import Linear
 
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
+from tp_testing import create_on_meta, fake_tp_gangs
 
 
 def _projection(input_dim: int, output_dim: int, dtype: torch.dtype = torch.float32) -> Linear:
@@ -129,3 +132,28 @@ class TestLoraAdapter:
     def test_raises_error_when_rank_is_not_positive(self, rank: int) -> None:
         with pytest.raises(ValueError, match=rf"`rank` must be greater than 0, but is {rank} instead\."):
             LoraAdapter(8, 4, rank=rank, alpha=1.0, dropout_p=0.0, rslora=False)
+
+
+class TestTensorParallelProjections:
+    def test_refuses_a_projection_sharded_over_two_ranks(self) -> None:
+        config = tiny_qwen35_config()
+
+        model = create_on_meta(config, fake_tp_gangs(2))
+
+        proj = model.decoder.layers[3].self_attn.q_proj  # type: ignore[index, union-attr]
+
+        with pytest.raises(NotSupportedError, match=r"sharded over 2 ranks"):
+            add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert not isinstance(getattr(proj, "lora", None), LoraAdapter)
+
+    def test_takes_a_projection_of_a_single_rank_gang(self) -> None:
+        config = tiny_qwen35_config()
+
+        model = create_on_meta(config, fake_tp_gangs(1))
+
+        proj = model.decoder.layers[3].self_attn.q_proj  # type: ignore[index, union-attr]
+
+        adapter = add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert proj.lora is adapter
