@@ -83,8 +83,8 @@ class TestTestsCanFail:
 
     def test_finds_a_test_that_checks_nothing(self) -> None:
         source = (
-            "def _helper():\n    assert True\n\n"
-            "def test_checks_through_a_helper():\n    _helper()\n\n"
+            "def _helper(x):\n    assert x == 1\n\n"
+            "def test_checks_through_a_helper():\n    _helper(1)\n\n"
             "def test_raises():\n    with pytest.raises(ValueError):\n        int('x')\n\n"
             "def test_calls_an_assert_function():\n    torch.testing.assert_close(1, 1)\n\n"
             "def test_checks_nothing():\n    int('1')\n"
