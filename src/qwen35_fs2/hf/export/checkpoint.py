@@ -229,9 +229,7 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
 
 
 def _load_model(source: _Source, dtype: DataType) -> torch.nn.Module:
-    hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, _asset_store()
-    )
+    hub = _model_hub(source)
 
     try:
         return hub.load_custom_model(source.path, source.config, device=CPU, dtype=dtype)
@@ -248,9 +246,7 @@ def _load_lora_model(source: _Source, dtype: DataType) -> torch.nn.Module:
     it before its state is read, as the recipe puts them on before training."""
     assert source.lora is not None
 
-    hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, _asset_store()
-    )
+    hub = _model_hub(source)
 
     model = hub.create_new_model(source.config, device=CPU, dtype=dtype, meta=True)
 
@@ -292,9 +288,7 @@ def _load_dtype(source: _Source, base: HfRepository | None, dtype: DataType | No
 def _checkpoint_dtype(source: _Source) -> DataType:
     """Returns the dtype of the first floating-point tensor of the
     checkpoint of ``source``."""
-    hub: ModelHub[torch.nn.Module, object] = ModelHub(
-        source.family, _asset_store()
-    )
+    hub = _model_hub(source)
 
     for _, tensor in hub.iter_checkpoint(source.path, source.config, mmap=True):
         if tensor.dtype.is_floating_point:
@@ -467,6 +461,10 @@ def _card_source(card: AssetCard) -> _Source:
 
 def _family_name_of(config: Qwen35Config) -> str:
     return QWEN35_MOE_FAMILY if isinstance(config, Qwen35MoeConfig) else QWEN35_FAMILY
+
+
+def _model_hub(source: _Source) -> ModelHub[torch.nn.Module, object]:
+    return ModelHub(source.family, _asset_store())
 
 
 def _asset_store() -> AssetStore:
