@@ -476,18 +476,28 @@ def _count_loss_targets(
 ) -> Tensor:
     """Returns the denominator of ``reduction='mean'``, as
     :func:`cross_entropy` counts it."""
-    if pad_idx is None:
-        if target_mask is None:
-            return torch.tensor(targets.numel(), device=targets.device)
+    counted = _counted_targets(targets, pad_idx, target_mask)
 
-        return target_mask.sum()
+    if counted is None:
+        return torch.tensor(targets.numel(), device=targets.device)
+
+    return counted.sum()
+
+
+def _counted_targets(
+    targets: Tensor, pad_idx: int | None, target_mask: Tensor | None
+) -> Tensor | None:
+    """Returns where a target counts in the loss (not the pad index, inside
+    ``target_mask``), ``None`` if every target does."""
+    if pad_idx is None:
+        return target_mask
 
     counted = targets.ne(pad_idx)
 
     if target_mask is not None:
         counted = counted & target_mask
 
-    return counted.sum()
+    return counted
 
 
 def install_chunked_lm_loss(
@@ -641,7 +651,9 @@ def compute_mtp_loss(
         # The trunk's greedy token at t + 1 verifies the draft of t.
         verified = shift_mtp_targets(_greedy_tokens(decoder_output, model.final_proj, chunk_size))
 
-        counted = mtp_mask if model.pad_idx is None else mtp_mask & mtp_targets.ne(model.pad_idx)
+        counted = _counted_targets(mtp_targets, model.pad_idx, mtp_mask)
+
+        assert counted is not None  # `mtp_mask` is given.
 
         num_accepted = (drafts.eq(verified) & counted).sum()
 
