@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.nn import Module, ModuleList
 
 from fairseq2.models.transformer import AttentionBiasCache
-from fairseq2.nn import BatchLayout, LayerNorm, Projection
+from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm, Projection
 
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 
@@ -116,13 +116,24 @@ class Qwen35MultiTokenPredictor(Module):
 
         return loss
 
-    def forward(self, hidden: Tensor, next_embeds: Tensor, seqs_layout: BatchLayout) -> Tensor:
+    def forward(
+        self,
+        hidden: Tensor,
+        next_embeds: Tensor,
+        seqs_layout: BatchLayout,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+    ) -> Tensor:
         """
         :param hidden: The trunk's output at each position (after its final
             norm). *Shape:* :math:`(N,S,M)`, or :math:`(S,M)` if packed.
         :param next_embeds: The embedding of the token that follows each
             position. *Shape:* Same as ``hidden``.
         :param seqs_layout: The layout of the trunk's input.
+        :param state_bag: The head's own incremental state (the keys and
+            values of its attention) when it drafts token by token in
+            evaluation mode; its step number is the position of
+            ``hidden``'s first element.
 
         :returns: The head's output at each position, to be projected to the
             logits of the token after the next one. *Shape:* Same as
@@ -141,7 +152,7 @@ class Qwen35MultiTokenPredictor(Module):
         attn_bias_cache = AttentionBiasCache()
 
         for layer in self.layers:
-            seqs = layer(seqs, seqs_layout, attn_bias_cache)
+            seqs = layer(seqs, seqs_layout, attn_bias_cache, state_bag=state_bag)
 
         return self.layer_norm(seqs)  # type: ignore[no-any-return]
 

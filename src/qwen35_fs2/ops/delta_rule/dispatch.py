@@ -13,6 +13,10 @@ from qwen35_fs2.ops.fla_kernels import fla_gated_delta_rule
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
+# The longest input that decodes from a state with the recurrent kernel.
+_MAX_RECURRENT_DECODE_LEN = 8
+
+
 def gated_delta_rule(
     q: Tensor,
     k: Tensor,
@@ -29,8 +33,10 @@ def gated_delta_rule(
 ) -> tuple[Tensor, Tensor | None]:
     """Computes the gated delta rule with the kernels of ``backend``.
 
-    ``torch`` runs :func:`chunk_gated_delta_rule`, or, to decode one token
-    from a state, :func:`recurrent_gated_delta_rule`. ``fla`` runs fla-core's
+    ``torch`` runs :func:`chunk_gated_delta_rule`, or, to decode a few
+    tokens from a state (a token, or one with its speculative drafts),
+    :func:`recurrent_gated_delta_rule`, which does not pad them to a chunk
+    and gives each token what decoding it alone would. ``fla`` runs fla-core's
     ``chunk_gated_delta_rule`` (``fused_recurrent_gated_delta_rule`` to decode
     one token without gradients). Both check the offsets against the
     sequence length on the host: pass :class:`VarlenMetadata` to avoid
@@ -64,7 +70,7 @@ def gated_delta_rule(
     if backend != "torch":
         raise ValueError(f"`backend` must be 'torch' or 'fla', but is '{backend}' instead.")
 
-    if q.size(1) == 1 and initial_state is not None:
+    if q.size(1) <= _MAX_RECURRENT_DECODE_LEN and initial_state is not None:
         kernel = recurrent_gated_delta_rule
     else:
         kernel = chunk_gated_delta_rule
