@@ -269,6 +269,11 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
 
     register("mtp_loss", "MTP Loss", 104, format_as_float)
     register("mtp_acceptance", "MTP Acceptance", 104, format_as_float)
+    register("speculative_acceptance", "Speculative Acceptance", 220, format_as_float)
+    register("speculative_tokens_per_second", "Speculative Tokens per Second", 221, format_as_int)
+    register("plain_tokens_per_second", "Plain Greedy Tokens per Second", 222, format_as_int)
+    register("speculative_speedup", "Speculative Speed-up", 223, format_as_float)
+    register("speculative_mismatches", "Speculative Mismatches", 224, format_as_int)
     register("aux_loss", "Auxiliary Loss", 105, format_as_float)
     register("moe_max_tokens_per_expert", "Most Tokens of an Expert", 106, format_as_int)
     register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)

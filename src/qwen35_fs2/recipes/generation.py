@@ -1,7 +1,8 @@
 """Parts shared by the inference recipes ``lm generate`` and ``lm
 eval_gsm8k``: prompts read like instruction examples, rendered as chat
 generation prompts, and responses generated with fairseq2's sequence
-generators (incremental decoding)."""
+generators (incremental decoding) or, for greedy decoding of a model with an
+MTP head, speculatively (:mod:`qwen35_fs2.recipes.speculative`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, TextIO, cast, final
 
 import torch
 from torch import Tensor
+from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.assets import get_asset_download_manager
@@ -24,17 +26,21 @@ from fairseq2.error import InternalError
 from fairseq2.file_system import FileMode
 from fairseq2.gang import Gangs
 from fairseq2.generation import SequenceGenerator
-from fairseq2.metrics import Mean, MetricBag
+from fairseq2.logging import log
+from fairseq2.metrics import Mean, MetricBag, Sum
 from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_generator_metrics
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 from fairseq2.recipe.base import RecipeContext
+from fairseq2.recipe.config import TOP_K_SAMPLER, SamplingConfig, SequenceGeneratorSection, TopKSamplerConfig
+from fairseq2.recipe.error import RecipeError
 from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.recipes.loss import compute_mtp_loss
+from qwen35_fs2.recipes.speculative import GreedyDecoder
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionExample,
@@ -81,6 +87,23 @@ class PromptDatasetSection:
         return result
 
 
+@dataclass(kw_only=True)
+class SpeculativeDecodingSection:
+    enabled: bool = False
+    """If ``True``, decodes each prompt greedily with the model's MTP head
+    drafting the token after the next and the trunk verifying it, which gives
+    the responses of plain greedy decoding in fewer trunk passes. Needs a
+    model with an MTP head and greedy decoding (``seq_generator``: sampling
+    with the top-k sampler, ``k: 1``); reports the acceptance of the drafts
+    and the tokens per second."""
+
+    compare_with_plain: bool = True
+    """If ``True``, also decodes each prompt plainly, one token per trunk
+    pass, to report the speed-up over it in the same run and count the
+    responses that differ (``Speculative Mismatches``; only the last bits of
+    a two-token pass can make one)."""
+
+
 def read_prompt_examples(
     section: PromptDatasetSection, *, require_response: bool
 ) -> list[InstructionExample]:
@@ -102,10 +125,20 @@ def create_response_task(
     examples: Sequence[InstructionExample],
     unit_kls: type[ResponseUnit],
     output_name: str,
+    *,
+    seq_generator: SequenceGeneratorSection,
+    speculative: SpeculativeDecodingSection,
 ) -> Task:
     """Returns the task that generates a response to each of ``examples``
     with ``unit_kls``, writing to ``OUTPUT_DIR/<output_name>/``."""
     tokenizer = context.get_tokenizer()
+
+    generator = context.get_seq_generator()
+
+    decoder = None
+
+    if speculative.enabled:
+        decoder = _create_speculative_decoder(generator.model, tokenizer, seq_generator)
 
     reader = create_prompt_reader(
         examples,
@@ -116,10 +149,50 @@ def create_response_task(
     )
 
     unit = unit_kls(
-        context.get_seq_generator(), tokenizer, open_output_stream(context, output_name)
+        generator,
+        tokenizer,
+        open_output_stream(context, output_name),
+        speculative_decoder=decoder,
+        compare_with_plain=speculative.compare_with_plain,
     )
 
     return context.create_generator(unit, reader)
+
+
+def _create_speculative_decoder(
+    model: Module, tokenizer: Tokenizer, seq_generator: SequenceGeneratorSection
+) -> GreedyDecoder:
+    config = seq_generator.config
+
+    sampler = config.sampler if isinstance(config, SamplingConfig) else None
+
+    greedy = (
+        sampler is not None
+        and sampler.name == TOP_K_SAMPLER
+        and isinstance(sampler.config, TopKSamplerConfig)
+        and sampler.config.k == 1
+    )
+
+    if not greedy:
+        raise RecipeError(
+            "`seq_generator` must decode greedily (`name: sampling` with the `top_k` sampler and `k: 1`) when `speculative_decoding.enabled` is `True`, but does not."
+        )
+
+    assert isinstance(config, SamplingConfig)
+
+    if not isinstance(config.max_gen_len, int):
+        raise RecipeError(
+            f"`seq_generator.config.max_gen_len` must be an integer when `speculative_decoding.enabled` is `True`, but is {config.max_gen_len} instead."
+        )
+
+    mtp = find_mtp(model)
+
+    if not isinstance(model, TransformerLM) or mtp is None:
+        raise RecipeError(
+            "`model` must have an MTP head (`mtp_num_layers: 1`, as the released checkpoints) when `speculative_decoding.enabled` is `True`, but has none."
+        )
+
+    return GreedyDecoder(model, tokenizer.vocab_info, max_gen_len=config.max_gen_len, mtp=mtp)
 
 
 def create_prompt_reader(
@@ -209,10 +282,19 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         generator: SequenceGenerator,
         tokenizer: Tokenizer,
         output_stream: TextIO | None,
+        *,
+        speculative_decoder: GreedyDecoder | None = None,
+        compare_with_plain: bool = True,
     ) -> None:
+        """
+        :param speculative_decoder: If not ``None``, generates the responses
+            in place of ``generator``.
+        """
         self._generator = generator
         self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
         self._output_stream = output_stream
+        self._speculative_decoder = speculative_decoder
+        self._compare_with_plain = compare_with_plain
 
         model = generator.model
 
@@ -220,7 +302,16 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
 
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
-        add_seq_generator_metrics(metric_bag)
+        if self._speculative_decoder is None:
+            add_seq_generator_metrics(metric_bag)
+        else:
+            metric_bag.add("speculative_acceptance", Mean())
+            metric_bag.add("speculative_tokens_per_second", Mean())
+
+            if self._compare_with_plain:
+                metric_bag.add("plain_tokens_per_second", Mean())
+                metric_bag.add("speculative_speedup", Mean())
+                metric_bag.add("speculative_mismatches", Sum())
 
         if self._mtp is not None:
             metric_bag.add("mtp_acceptance", Mean())
@@ -230,21 +321,12 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
         seqs, seqs_layout = batch.as_input()
 
-        output = self._generator(seqs, seqs_layout)
+        if self._speculative_decoder is None:
+            response_seqs = self._generate(seqs, seqs_layout, metric_bag)
+        else:
+            response_seqs = self._generate_speculatively(seqs, seqs_layout, metric_bag)
 
-        update_seq_generator_metrics(metric_bag, output)
-
-        responses = []
-
-        response_seqs = []
-
-        for hypotheses in output.hypotheses:
-            if not hypotheses:
-                raise InternalError("The sequence generator returned no hypothesis.")
-
-            responses.append(self._decoder(hypotheses[0].seq))
-
-            response_seqs.append(hypotheses[0].seq)
+        responses = [self._decoder(seq) for seq in response_seqs]
 
         if self._mtp is not None:
             self._measure_mtp_acceptance(seqs, seqs_layout, response_seqs, metric_bag)
@@ -259,6 +341,87 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
             self._output_stream.write("\n")
 
         self._output_stream.flush()
+
+    def _generate(self, seqs: Tensor, seqs_layout: BatchLayout, metric_bag: MetricBag) -> list[Tensor]:
+        """Returns the first hypothesis of fairseq2's generator for each
+        prompt."""
+        output = self._generator(seqs, seqs_layout)
+
+        update_seq_generator_metrics(metric_bag, output)
+
+        response_seqs = []
+
+        for hypotheses in output.hypotheses:
+            if not hypotheses:
+                raise InternalError("The sequence generator returned no hypothesis.")
+
+            response_seqs.append(hypotheses[0].seq)
+
+        return response_seqs
+
+    def _generate_speculatively(
+        self, seqs: Tensor, seqs_layout: BatchLayout, metric_bag: MetricBag
+    ) -> list[Tensor]:
+        """Returns the speculatively decoded response to each prompt, one
+        prompt at a time, and the plain ones' speed and agreement if
+        ``compare_with_plain``."""
+        decoder = self._speculative_decoder
+
+        if decoder is None:
+            raise InternalError("The unit has no speculative decoder.")
+
+        response_seqs = []
+
+        num_drafts = num_accepted = num_tokens = num_plain_tokens = num_mismatches = 0
+
+        time_speculative = time_plain = 0.0
+
+        for row, seq_len in enumerate(seqs_layout.seq_lens):
+            prompt = seqs[row, :seq_len]
+
+            output = decoder.speculative(prompt)
+
+            response_seqs.append(output.tokens)
+
+            num_drafts += output.num_drafts
+            num_accepted += output.num_accepted
+            num_tokens += output.tokens.numel()
+
+            time_speculative += output.elapsed_time
+
+            if self._compare_with_plain:
+                plain = decoder.plain(prompt)
+
+                time_plain += plain.elapsed_time
+
+                num_plain_tokens += plain.tokens.numel()
+
+                num_mismatches += int(not torch.equal(plain.tokens, output.tokens))
+
+        metric_bag.get("speculative_acceptance", Mean).update(
+            num_accepted / max(num_drafts, 1), weight=num_drafts
+        )
+
+        # Weighted by time, the mean is the total tokens over the total time.
+        metric_bag.get("speculative_tokens_per_second", Mean).update(
+            num_tokens / time_speculative, weight=time_speculative
+        )
+
+        if self._compare_with_plain:
+            metric_bag.get("plain_tokens_per_second", Mean).update(
+                num_plain_tokens / time_plain, weight=time_plain
+            )
+
+            metric_bag.get("speculative_speedup", Mean).update(
+                time_plain / time_speculative, weight=time_speculative
+            )
+
+            metric_bag.get("speculative_mismatches", Sum).update(num_mismatches)
+
+            if num_mismatches:
+                log.warning("Speculative and plain greedy decoding gave different responses to {} prompts of the batch; the speculative ones are written.", num_mismatches)
+
+        return response_seqs
 
     @torch.no_grad()
     def _measure_mtp_acceptance(

@@ -20,7 +20,7 @@ from fairseq2.recipe.config import (
 )
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
-from qwen35_fs2.recipes.generation import PromptDatasetSection
+from qwen35_fs2.recipes.generation import PromptDatasetSection, SpeculativeDecodingSection
 from qwen35_fs2.recipes.instruction import InstructionSource
 
 
@@ -60,6 +60,10 @@ class EvalGsm8kConfig:
                 max_gen_len=512,
             )
         )
+    )
+
+    speculative_decoding: SpeculativeDecodingSection = field(
+        default_factory=lambda: SpeculativeDecodingSection()
     )
 
     common: CommonSection = field(default_factory=lambda: CommonSection())

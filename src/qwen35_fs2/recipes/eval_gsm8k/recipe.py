@@ -45,7 +45,14 @@ class EvalGsm8kRecipe(Recipe):
                     f"The reference answer of example {example['id']} must end with a number (`#### <number>`), but has none."
                 )
 
-        return create_response_task(context, section, examples, Gsm8kEvalUnit, "gsm8k")
+        return create_response_task(
+            context,
+            section,
+            examples,
+            Gsm8kEvalUnit, "gsm8k",
+            seq_generator=config.seq_generator,
+            speculative=config.speculative_decoding,
+        )
 
     @property
     @override

@@ -16,7 +16,7 @@ from fairseq2.recipe.config import (
 )
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
-from qwen35_fs2.recipes.generation import PromptDatasetSection
+from qwen35_fs2.recipes.generation import PromptDatasetSection, SpeculativeDecodingSection
 
 
 @dataclass(kw_only=True)
@@ -45,6 +45,10 @@ class GenerateConfig:
         default_factory=lambda: SequenceGeneratorSection(
             config=SamplingConfig(max_gen_len=1024)
         )
+    )
+
+    speculative_decoding: SpeculativeDecodingSection = field(
+        default_factory=lambda: SpeculativeDecodingSection()
     )
 
     common: CommonSection = field(default_factory=lambda: CommonSection())

@@ -35,7 +35,14 @@ class GenerateRecipe(Recipe):
 
         examples = read_prompt_examples(section, require_response=False)
 
-        return create_response_task(context, section, examples, GenerateUnit, "generations")
+        return create_response_task(
+            context,
+            section,
+            examples,
+            GenerateUnit, "generations",
+            seq_generator=config.seq_generator,
+            speculative=config.speculative_decoding,
+        )
 
     @property
     @override
