@@ -38,7 +38,12 @@ class TestLoraBase:
 
         save_lora_base(tmp_path / "checkpoints", describe_lora_base(base))
 
-        check_lora_base(load_lora_base(tmp_path / "checkpoints"), base)
+        recorded = load_lora_base(tmp_path / "checkpoints")
+
+        assert recorded.path == base.resolve()
+
+        # Raises if the base were not the recorded one.
+        check_lora_base(recorded, base)
 
     def test_a_base_in_another_directory_is_refused_even_if_identical(self, tmp_path: Path) -> None:
         base = _save_base(tmp_path / "base")
