@@ -40,7 +40,9 @@ Hugging Face checkpoints into each rank's shards:
 
 Native fairseq2 checkpoints, resumed runs (fairseq2 then creates the model on
 the meta device and loads its own sharded checkpoint) and recipes that do not
-enable it load as before.
+enable it load as before; a resumed LoRA run, whose checkpoints hold the
+adapters alone, defers the loading of its base again
+(:mod:`qwen35_fs2.recipes.lora`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from fairseq2.error import InternalError
 from fairseq2.gang import Gangs, set_gangs
 from fairseq2.logging import log
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
+from fairseq2.models import ModelFamily
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
@@ -433,6 +436,18 @@ class DeferredCheckpoint:
 
 
 @final
+@dataclass(frozen=True)
+class MetaModelOrigin:
+    """The family and configuration of a model that a Qwen3.5 family created
+    on the meta device: what loading a checkpoint into a model like it takes
+    (as a resumed LoRA run reads its base again, :mod:`qwen35_fs2.recipes.lora`)."""
+
+    family: ModelFamily
+
+    config: Qwen35Config
+
+
+@final
 class ShardedCheckpointLoading:
     """The Hugging Face checkpoints whose loading the Qwen3.5 families deferred
     until their models are sharded, by model.
@@ -446,6 +461,7 @@ class ShardedCheckpointLoading:
 
     def __init__(self) -> None:
         self._checkpoints: WeakKeyDictionary[Module, DeferredCheckpoint] = WeakKeyDictionary()
+        self._origins: WeakKeyDictionary[Module, MetaModelOrigin] = WeakKeyDictionary()
 
     def defer(self, model: Module, checkpoint: DeferredCheckpoint) -> None:
         """Records that ``model``, on the meta device, is to be loaded from
@@ -462,6 +478,16 @@ class ShardedCheckpointLoading:
         """Returns the checkpoint deferred for ``model``, and forgets it;
         ``None`` if there is none."""
         return self._checkpoints.pop(model, None)
+
+    def record_origin(self, model: Module, origin: MetaModelOrigin) -> None:
+        """Records the family and configuration of ``model``, which a family
+        created on the meta device (a weak reference, as :meth:`defer`)."""
+        self._origins[model] = origin
+
+    def get_origin(self, model: Module) -> MetaModelOrigin | None:
+        """Returns the family and configuration of ``model``; ``None`` if no
+        family recorded them."""
+        return self._origins.get(model)
 
 
 def enable_sharded_checkpoint_loading(container: DependencyContainer) -> None:

@@ -15,7 +15,9 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.assets import AssetCard, AssetCardError
+from fairseq2.data_type import DataType
 from fairseq2.error import InternalError
+from fairseq2.gang import Gangs
 from fairseq2.logging import log
 from fairseq2.models import ModelFamily
 from fairseq2.models.family import (
@@ -43,7 +45,7 @@ from qwen35_fs2.hf.config import (
     qwen35_config_from_hf,
 )
 from qwen35_fs2.hf.safetensors import index_safetensors
-from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, ShardedCheckpointLoading
+from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, MetaModelOrigin, ShardedCheckpointLoading
 from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.models.qwen35.interop import is_hg_state_dict
 
@@ -120,6 +122,22 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
             )
 
         return config
+
+    @override
+    def create_new_model(
+        self, config: object, gangs: Gangs, dtype: DataType, meta: bool, init_rank0_only: bool
+    ) -> Module:
+        """Creates the model as fairseq2 does and, on the meta device in a
+        recipe with sharded loading, records its family and configuration
+        there (:meth:`ShardedCheckpointLoading.record_origin`): fairseq2
+        creates the model of a resumed run so, and a resumed LoRA run reads
+        its base into a model like it."""
+        model: Module = super().create_new_model(config, gangs, dtype, meta, init_rank0_only)
+
+        if meta and self.sharded_loading is not None and isinstance(config, Qwen35Config):
+            self.sharded_loading.record_origin(model, MetaModelOrigin(self, config))
+
+        return model
 
     @override
     def load_checkpoint(self, request: CheckpointLoadRequest) -> Module:

@@ -124,6 +124,14 @@ def reset_lora_adapters(model: Module) -> None:
                 weight.to_local().copy_(sharded.to_local())
 
 
+def is_lora_key(key: str) -> bool:
+    """Whether ``key`` of a model's state dict names a tensor of a LoRA
+    adapter: adapters are the ``lora`` children of their projections
+    (:func:`add_lora_adapter`), and no other module of a Qwen3.5 model has
+    that name."""
+    return key.startswith("lora.") or ".lora." in key
+
+
 def add_lora_adapter(
     proj: Projection,
     *,

@@ -48,7 +48,7 @@ from qwen35_fs2.hf.sharded_loading import (
 )
 from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
-from qwen35_fs2.recipes.lora import setup_lora
+from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
 from qwen35_fs2.lora import LoraConfig
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
@@ -160,6 +160,10 @@ class LMTrainingRecipe(Recipe):
         config = cast(_LMTrainingConfig, context.get_config_as(self.config_kls))
 
         dp_model = context.get_data_parallel_model()
+
+        # Before the trainer exists: it takes the facade of the model then.
+        if config.lora is not None:
+            save_adapters_only(dp_model)
 
         aux_loss_fn = create_aux_loss_fn(dp_model)
 

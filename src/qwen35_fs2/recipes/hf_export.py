@@ -19,13 +19,13 @@ from typing import final
 
 from typing_extensions import override
 
-from fairseq2.checkpoint import CheckpointDir
 from fairseq2.recipe.base import RecipeContext
 from fairseq2.recipe.config import RegimeSection
 from fairseq2.task import Task
 from fairseq2.trainer import Trainer, TrainStepHookArgs
 
 from qwen35_fs2.hf.export.training import HfCheckpointExporter
+from qwen35_fs2.recipes.checkpoint_dir import get_checkpoint_dir
 
 
 def take_over_hf_export(context: RecipeContext) -> HfCheckpointExporter | None:
@@ -39,12 +39,7 @@ def take_over_hf_export(context: RecipeContext) -> HfCheckpointExporter | None:
 
     regime.export_hugging_face = False
 
-    checkpoint_dir = context.resolver.resolve(CheckpointDir).path
-
-    if checkpoint_dir is None:
-        checkpoint_dir = context.output_dir / "checkpoints"
-
-    return HfCheckpointExporter(checkpoint_dir, context.gangs)
+    return HfCheckpointExporter(get_checkpoint_dir(context), context.gangs)
 
 
 def export_hf_checkpoints(trainer: Trainer, exporter: HfCheckpointExporter) -> Task:

@@ -25,6 +25,7 @@ from export_testing import INPUT_IDS, fairseq2_logits
 from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
 from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
+from fairseq2.nn.data_parallel import get_data_parallel_facade
 from fairseq2.runtime.dependency import get_dependency_resolver, wire_object
 from fairseq2.utils.structured import ValueConverter
 from hf_reference import HfReferenceBatch, TinyQwen35Spec, read_safetensors_dir
@@ -33,6 +34,7 @@ from qwen35_fs2 import load_hf_model
 from qwen35_fs2.cli.export_hf import main
 from qwen35_fs2.hf.config import load_hf_config, qwen35_config_from_hf
 from qwen35_fs2.lora import LORA_TARGET_MODULES, PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME, LoraConfig, apply_lora
+from qwen35_fs2.lora.checkpoint import LoraCheckpointFacade, describe_lora_base, save_lora_base
 
 pytestmark = pytest.mark.slow
 
@@ -74,10 +76,11 @@ def bases(hf_tiny_models: TinyModelCache) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def lora_run(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Module]:
     """A LoRA run's output directory as the recipe leaves it (a checkpoint
-    of the float32 model with adapters on every target, saved by fairseq2's
-    checkpoint manager, and ``config.yaml`` with ``model.path`` and the
-    ``lora`` section), its adapters random (B too, which training moves
-    from zero); returns it and the model."""
+    of the float32 adapters on every target, saved by fairseq2's checkpoint
+    manager through the facade the recipe sets, the record of the base, and
+    ``config.yaml`` with ``model.path`` and the ``lora`` section), its
+    adapters random (B too, which training moves from zero); returns it and
+    the model."""
     base_dir = bases["base"]
 
     run_dir = tmp_path_factory.mktemp("lora_run")
@@ -97,9 +100,11 @@ def lora_run(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
     manager = wire_object(resolver, StandardCheckpointManager, output_dir=run_dir, gangs=create_fake_gangs(CPU))
 
-    manager.save_model_only(3, model, blocking=True)
+    manager.save_model_only(3, LoraCheckpointFacade(get_data_parallel_facade(model)), blocking=True)
 
     wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
+
+    save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir))
 
     lora = resolver.resolve(ValueConverter).unstructure(_LORA)  # type: ignore[type-abstract]
 
@@ -273,14 +278,13 @@ def test_adapter_of_a_real_lora_sft_run_gives_its_logits_in_peft(hf_tiny_models:
 
     apply_lora(model, LoraConfig(**lora), qwen35_config_from_hf(load_hf_config(base_dir)))
 
-    adapter_state = {key: tensor for key, tensor in saved.items() if ".lora." in key}
+    # The adapters alone: three Gated DeltaNet layers (5 targets) and an
+    # attention layer (4), each with an MLP (3).
+    assert all(".lora." in key for key in saved)
+    assert len(saved) == 2 * (3 * (5 + 3) + (4 + 3))
+    assert all(tensor.abs().max() > 0.0 for key, tensor in saved.items())
 
-    # Three Gated DeltaNet layers (5 targets) and an attention layer (4), each
-    # with an MLP (3).
-    assert len(adapter_state) == 2 * (3 * (5 + 3) + (4 + 3))
-    assert all(tensor.abs().max() > 0.0 for key, tensor in adapter_state.items())
-
-    model.load_state_dict(adapter_state, strict=False)
+    model.load_state_dict(saved, strict=False)
 
     batch = HfReferenceBatch()
 

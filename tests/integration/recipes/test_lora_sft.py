@@ -1,10 +1,12 @@
 """``lm instruction_finetune`` with LoRA (``recipes/qwen35_tiny_gsm8k_lora_cpu.yaml``)
 from a Hugging Face checkpoint of a random tiny Qwen3.5, on CPU: the loss
-falls, and only the adapters train: the base the run saves is the Hugging
-Face checkpoint bit for bit, and only the adapters have optimizer state."""
+falls, the checkpoints hold the adapters and their optimizer state alone,
+and a run resumed from one of them (its base read again from the Hugging
+Face checkpoint) trains as the uninterrupted run did, bit for bit."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,14 +60,14 @@ def _save_random_hf_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
     save_file(hg, str(path / "model.safetensors"))
 
-    # Read back, independently of the model: what the run must leave unchanged.
+    # Read back, independently of the model.
     return {key: tensor for key, tensor in convert_qwen35_state_dict(load_file(path / "model.safetensors"), config).items() if isinstance(tensor, torch.Tensor)}
 
 
 @pytest.mark.slow
 class TestLoraInstructionFinetuneCPU:
     @pytest.mark.parametrize("nproc", [1, 2], ids=["1-process", "2-processes-fsdp2"])
-    def test_loss_decreases_and_only_the_adapters_train(self, nproc: int, tmp_path: Path) -> None:
+    def test_loss_decreases_only_the_adapters_train_and_a_resumed_run_matches_an_uninterrupted_one(self, nproc: int, tmp_path: Path) -> None:
         base_dir = tmp_path / "base"
 
         base = _save_random_hf_checkpoint(base_dir)
@@ -86,40 +88,80 @@ class TestLoraInstructionFinetuneCPU:
         # fine-tuning's.
         assert losses[-1] < losses[0] - 0.15, losses
 
-        step_dir = output_dir / "checkpoints" / "step_6"
+        checkpoint_dir = output_dir / "checkpoints"
 
-        # FSDP2 saves each rank's rows of every tensor.
-        shards = [torch.load(step_dir / "model" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=True) for rank in range(nproc)]
+        saved = _read_model_checkpoint(checkpoint_dir / "step_6", nproc)
 
-        saved = {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}
-
-        adapter_keys = {key for key in saved if ".lora." in key}
-
+        # The adapters alone: the base is read from its own checkpoint.
         # A Gated DeltaNet layer (5 targets) and an attention layer (4), each
         # with an MLP (3): 15 adapters of two weights.
-        assert len(adapter_keys) == 2 * (5 + 3 + 4 + 3)
+        assert len(saved) == 2 * (5 + 3 + 4 + 3)
 
-        assert saved.keys() - adapter_keys == base.keys()
-
-        for key, tensor in base.items():
-            assert torch.equal(saved[key], tensor), key
+        assert all(".lora." in key for key in saved)
 
         # Whole adapters of rank 8, the rows of the ranks' shards together
         # (adapters that FSDP2 does not shard would be saved whole by each
         # rank, and trained apart); B starts at zero.
-        for key in adapter_keys:
+        for key, tensor in saved.items():
             proj_weight = base[key.rsplit(".lora.", 1)[0] + ".weight"]
 
             if key.endswith(".a_proj.weight"):
-                assert saved[key].shape == (8, proj_weight.size(1)), key
+                assert tensor.shape == (8, proj_weight.size(1)), key
             else:
-                assert saved[key].shape == (proj_weight.size(0), 8), key
+                assert tensor.shape == (proj_weight.size(0), 8), key
 
-                assert saved[key].abs().max() > 0.0, key
+                assert tensor.abs().max() > 0.0, key
 
         # fairseq2 pickles the optimizer state with objects that `weights_only`
         # rejects; the file is the test's own.
         for rank in range(nproc):
-            optimizer = torch.load(step_dir / "optimizer" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=False)
+            optimizer = torch.load(checkpoint_dir / "step_6" / "optimizer" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=False)
 
-            assert len(optimizer["state"]) == len(adapter_keys)
+            assert len(optimizer["state"]) == len(saved)
+
+        # Stopped after step 3: the run's checkpoint directory as it was
+        # then, in another output directory, resumed to step 6.
+        resumed_dir = tmp_path / "resumed"
+
+        shutil.copytree(checkpoint_dir, resumed_dir / "checkpoints", ignore=shutil.ignore_patterns("step_6"))
+
+        if nproc == 1:
+            # A copy of the base elsewhere is another base: refused before
+            # training, naming both (the rule itself: tests/unit/lora).
+            other_base_dir = tmp_path / "other_base"
+
+            shutil.copytree(base_dir, other_base_dir)
+
+            process = run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, f"model.path={other_base_dir}"], expected_returncode=2)
+
+            assert f"trained on, {base_dir.resolve()}, but is {other_base_dir.resolve()} instead." in process.stdout
+
+            assert not (resumed_dir / "metrics" / "train.jsonl").exists()
+
+        process = run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, f"model.path={base_dir}"], nproc=nproc)
+
+        assert "Resuming from step 3." in process.stdout
+
+        assert f"Every rank read its shards of {base_dir}." in process.stdout
+
+        resumed = read_metrics(resumed_dir)
+
+        assert sorted(resumed) == [4, 5, 6]
+
+        for step in range(4, 7):
+            assert resumed[step]["NLL Loss"] == metrics[step]["NLL Loss"], step
+
+        resumed_saved = _read_model_checkpoint(resumed_dir / "checkpoints" / "step_6", nproc)
+
+        assert resumed_saved.keys() == saved.keys()
+
+        for key, tensor in saved.items():
+            assert torch.equal(resumed_saved[key], tensor), key
+
+
+def _read_model_checkpoint(step_dir: Path, nproc: int) -> dict[str, torch.Tensor]:
+    """Returns the model state of a checkpoint, the ranks' rows together
+    (FSDP2 saves each rank's rows of every tensor)."""
+    shards = [torch.load(step_dir / "model" / "pp_00" / "tp_00" / f"sdp_{rank:02d}.pt", map_location="cpu", weights_only=True) for rank in range(nproc)]
+
+    return {key: torch.cat([shard[key] for shard in shards]) for key in shards[0]}

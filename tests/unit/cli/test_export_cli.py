@@ -158,12 +158,17 @@ class TestLoraRuns:
 
         exported = convert_qwen35_state_dict(dict(read_safetensors_dir(tmp_path / "out")), config)
 
-        # The checkpoint file itself, read without the export's loader.
+        # The checkpoint file (the adapters alone) and the base, read
+        # without the export's loader.
         saved = torch.load(lora_run_dir / "checkpoints" / "step_2" / "model" / "pp_00" / "tp_00" / "sdp_00.pt", map_location="cpu", weights_only=True)
+
+        assert all(".lora." in key for key in saved)
+
+        base = convert_qwen35_state_dict(load_file(lora_run_dir / "base" / "model.safetensors"), config)
 
         scaling = LORA_RUN_CONFIG.alpha / LORA_RUN_CONFIG.r
 
-        expected = {key: tensor for key, tensor in saved.items() if ".lora." not in key}
+        expected = {key: tensor for key, tensor in base.items() if isinstance(tensor, torch.Tensor)}
 
         num_merged = 0
 

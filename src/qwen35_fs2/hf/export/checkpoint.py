@@ -3,9 +3,11 @@ asset cards: finding the checkpoint, its configuration and the base it was
 trained from, then exporting it (what ``fairseq2 lm export_hf`` runs).
 
 The checkpoint of a LoRA run (a run whose configuration has a ``lora``
-section) holds the frozen base and the adapters; it is exported either as a
-PEFT adapter directory (``adapter=True``) or as a whole model with the
-adapters merged (``merge=True``)."""
+section) holds the adapters alone, and the run's checkpoint directory
+records the Hugging Face checkpoint of the base they adapt
+(:mod:`qwen35_fs2.lora.checkpoint`); it is exported either as a PEFT adapter
+directory (``adapter=True``) or as a whole model with the adapters merged
+into the recorded base (``merge=True``)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from fairseq2.assets import AssetCard, AssetStore
 from fairseq2.assets.download_manager import get_asset_download_manager
 from fairseq2.data_type import DataType
 from fairseq2.device import CPU
+from fairseq2.error import StateDictError
+from fairseq2.gang import create_fake_gangs
 from fairseq2.logging import log
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily, ModelHub
-from fairseq2.models.utils.checkpoint import ModelCheckpointMismatchError, set_model_state
+from fairseq2.nn.data_parallel import get_data_parallel_facade
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 from fairseq2.runtime.dependency import get_dependency_resolver
-from fairseq2.utils.progress import NOOP_PROGRESS_REPORTER
 from fairseq2.utils.structured import StructureError, ValueConverter
 from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
@@ -36,7 +39,9 @@ from qwen35_fs2.hf.export.plan import check_architecture, plan_hf_export
 from qwen35_fs2.hf.export.repository import HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
 from qwen35_fs2.hf.safetensors import index_safetensors
+from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
 from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
+from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
 from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
@@ -78,6 +83,10 @@ class _Source:
 
     lora: LoraConfig | None = None
     """The adapters of the checkpoint of a LoRA run."""
+
+    lora_base: LoraBase | None = None
+    """The base that the adapters of the checkpoint of a LoRA run adapt, as
+    the run recorded it."""
 
 
 def export_checkpoint(
@@ -153,7 +162,7 @@ def export_checkpoint(
 
     if merge:
         # Every export dtype holds the float32 merge rounded once.
-        model = _load_lora_model(source, torch.float32)
+        model = _load_lora_model(source, torch.float32, read_base=True)
 
         state_dict = merge_lora_state_dict(model)
 
@@ -214,7 +223,7 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
 
         log.info("Exporting the LoRA adapters of {} for {}.", source.description, base.path)
 
-    model = _load_lora_model(source, dtype or _checkpoint_dtype(source))
+    model = _load_lora_model(source, dtype or _checkpoint_dtype(source), read_base=False)
 
     save_peft_adapter(
         model,
@@ -240,11 +249,14 @@ def _load_model(source: _Source, dtype: DataType) -> torch.nn.Module:
         raise CheckpointError(f"{ex}{cause}") from ex
 
 
-def _load_lora_model(source: _Source, dtype: DataType) -> torch.nn.Module:
+def _load_lora_model(source: _Source, dtype: DataType, *, read_base: bool) -> torch.nn.Module:
     """Loads the checkpoint of a LoRA run: the model with the adapters of
     ``source.lora``, which fairseq2's loader does not know to create, put on
-    it before its state is read, as the recipe puts them on before training."""
-    assert source.lora is not None
+    it as the recipe puts them on before training, read from the checkpoint,
+    and its base, if ``read_base``, read from the Hugging Face checkpoint
+    that the run recorded. Without ``read_base`` the base is left
+    uninitialized: a PEFT adapter is the adapters alone."""
+    assert source.lora is not None and source.lora_base is not None
 
     hub = _model_hub(source)
 
@@ -254,11 +266,23 @@ def _load_lora_model(source: _Source, dtype: DataType) -> torch.nn.Module:
 
     to_empty(model, CPU)
 
+    if read_base:
+        base = source.lora_base
+
+        try:
+            check_lora_base(base, base.path)
+
+            load_hf_checkpoint_shards(model, base.path, source.config, create_fake_gangs(CPU))
+        except (LoraBaseError, CorruptModelCheckpointError) as ex:
+            raise CheckpointError(f"The base of {source.description} cannot be read: {ex}") from ex
+
+    adapters = dict(hub.iter_checkpoint(source.path, source.config, mmap=True))
+
     try:
-        set_model_state(model, hub.iter_checkpoint(source.path, source.config, mmap=True), NOOP_PROGRESS_REPORTER)
-    except ModelCheckpointMismatchError as ex:
+        LoraCheckpointFacade(get_data_parallel_facade(model)).load_state_dict(adapters)
+    except StateDictError as ex:
         raise CheckpointError(
-            f"The checkpoint of {source.description} must hold the model with the LoRA adapters of its run's `lora` section, but does not: {ex}"
+            f"The checkpoint of {source.description} must hold the adapters of its run's `lora` section, but does not: {ex}"
         ) from ex
 
     reset_non_persistent_buffers(model)
@@ -418,8 +442,16 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     lora = _run_lora(run_dir) if (run_dir / "config.yaml").is_file() else None
 
+    if lora is None:
+        lora_base = None
+    else:
+        try:
+            lora_base = load_lora_base(checkpoint_dir)
+        except LoraBaseError as ex:
+            raise CheckpointError(str(ex)) from None
+
     return _Source(
-        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora
+        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora, lora_base
     )
 
 
