@@ -112,15 +112,11 @@ def _measure(step: object, args: argparse.Namespace, baseline_rss: float) -> dic
     return result
 
 
-def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
-    import torch
+def ours_config(cfg: BenchConfig) -> Any:
+    """Returns the ``Qwen35Config`` of ``cfg`` (untied, PyTorch delta rule)."""
+    from qwen35_fs2.models.qwen35 import Qwen35Config
 
-    from fairseq2.nn import BatchLayout
-
-    from qwen35_fs2.models.qwen35 import Qwen35Config, create_qwen35_model
-    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
-
-    config = Qwen35Config(
+    return Qwen35Config(
         model_dim=cfg.model_dim,
         max_seq_len=cfg.seq_len + 1,
         vocab_size=cfg.vocab_size,
@@ -139,10 +135,19 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
         gdn_backend="torch",
     )
 
+
+def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    from fairseq2.nn import BatchLayout
+
+    from qwen35_fs2.models.qwen35 import create_qwen35_model
+    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
+
     torch.manual_seed(0)
 
     # The loss the recipes train with.
-    model = install_chunked_lm_loss(create_qwen35_model(config)).train()
+    model = install_chunked_lm_loss(create_qwen35_model(ours_config(cfg))).train()
 
     seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
 
@@ -162,16 +167,16 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     return _measure(step, args, baseline_rss)
 
 
-def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
-    # transformers calls fla / causal_conv1d whenever importable; they fail on
-    # CPU.
+def reference_config(cfg: BenchConfig) -> Any:
+    """Returns the transformers ``Qwen3_5TextConfig`` of ``cfg``; hides fla
+    and causal-conv1d first, which transformers calls whenever they are
+    importable and which fail on CPU."""
     for name in ("fla", "causal_conv1d"):
         sys.modules[name] = None  # type: ignore[assignment]
 
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig
 
-    config = Qwen3_5TextConfig(
+    return Qwen3_5TextConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.model_dim,
         num_hidden_layers=cfg.num_layers,
@@ -187,6 +192,13 @@ def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, obje
         max_position_embeddings=cfg.seq_len + 1,
         tie_word_embeddings=False,
     )
+
+
+def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
+    config = reference_config(cfg)
+
+    import torch
+    from transformers import Qwen3_5ForCausalLM
 
     torch.manual_seed(0)
 
@@ -275,15 +287,16 @@ _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 def spawn_worker(script: str, worker: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs ``script`` as ``worker`` in a fresh process with the same options
-    (but ``--rounds``) and ``args.threads`` threads, the reference with the
-    transformers overlay on its path; returns the JSON line it prints."""
+    (but ``--rounds``) and ``args.threads`` threads, the reference workers
+    (``reference*``) with the transformers overlay on their path; returns the
+    JSON line it prints."""
     env = dict(os.environ)
 
     threads = str(args.threads)
 
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
 
-    if worker == "reference":
+    if worker.startswith("reference"):
         overlay = env.get("QWEN35_HF_REFERENCE_DIR", str(REPO_ROOT / ".cache" / "hf-reference"))
 
         if not Path(overlay, "transformers").is_dir():

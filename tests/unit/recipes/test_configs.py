@@ -12,6 +12,7 @@ CONFIGS = {
     "qwen35_0.8b_gsm8k.yaml": "instruction_finetune",
     "qwen35_0.8b_gsm8k_eval.yaml": "eval_gsm8k",
     "qwen35_0.8b_fineweb_edu.yaml": "train",
+    "qwen35_9b_gsm8k_lora.yaml": "instruction_finetune",
     "qwen35_tiny_gsm8k_cpu.yaml": "instruction_finetune",
     "qwen35_tiny_gsm8k_lora_cpu.yaml": "instruction_finetune",
     "qwen35_tiny_gsm8k_eval_cpu.yaml": "eval_gsm8k",
