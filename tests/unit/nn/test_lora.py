@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fairseq2.error import NotSupportedError
-from fairseq2.nn import Linear
+from fairseq2.nn import Linear, get_shard_dims
 
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
@@ -135,14 +135,47 @@ class TestLoraAdapter:
 
 
 class TestTensorParallelProjections:
-    def test_refuses_a_projection_sharded_over_two_ranks(self) -> None:
+    """How adapters split under tensor parallelism; that the split computes
+    what the unsharded adapter does is tested under 2 processes
+    (tests/integration/sharding/test_tensor_parallel.py)."""
+
+    def test_adapter_splits_as_its_projection(self) -> None:
         config = tiny_qwen35_config()
+
+        model = create_on_meta(config, fake_tp_gangs(2, tp_rank=1))
+
+        attn = model.decoder.layers[3].self_attn  # type: ignore[index, union-attr]
+
+        # Column-sharded: B's rows split, A whole.
+        column = add_lora_adapter(attn.q_proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert column.a_proj.weight.shape == (4, config.model_dim)
+        assert column.b_proj.weight.shape == (attn.q_proj.output_dim // 2, 4)
+
+        # Row-sharded: A's columns split, B whole.
+        row = add_lora_adapter(attn.output_proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert row.a_proj.weight.shape == (4, attn.output_proj.input_dim // 2)
+        assert row.b_proj.weight.shape == (config.model_dim, 4)
+
+        shard_dims = get_shard_dims(attn)
+
+        assert shard_dims["q_proj.lora.b_proj.weight"] == 0
+        assert shard_dims["output_proj.lora.a_proj.weight"] == 1
+
+        assert "q_proj.lora.a_proj.weight" not in shard_dims
+        assert "output_proj.lora.b_proj.weight" not in shard_dims
+
+    def test_refuses_a_projection_that_gathers_its_output(self) -> None:
+        config = tiny_qwen35_config()
+
+        config.tied_embeddings = False
 
         model = create_on_meta(config, fake_tp_gangs(2))
 
-        proj = model.decoder.layers[3].self_attn.q_proj  # type: ignore[index, union-attr]
+        proj = model.final_proj
 
-        with pytest.raises(NotSupportedError, match=r"sharded over 2 ranks"):
+        with pytest.raises(NotSupportedError, match=r"`proj` must keep its output sharded to take a LoRA adapter, but gathers it over 2 ranks instead\."):
             add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
 
         assert not isinstance(getattr(proj, "lora", None), LoraAdapter)
@@ -157,3 +190,5 @@ class TestTensorParallelProjections:
         adapter = add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
 
         assert proj.lora is adapter
+
+        assert adapter.b_proj.weight.shape == (proj.output_dim, 4)
