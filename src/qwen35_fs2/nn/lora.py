@@ -256,6 +256,23 @@ def reset_lora_adapters(model: Module) -> None:
                 weight.to_local().copy_(sharded.to_local())
 
 
+def check_lora_adapters_unsharded(model: Module) -> None:
+    """Raises a :class:`ValueError` if an adapter of ``model`` is split over
+    the ranks of a tensor-parallel gang: its tensors are then this rank's
+    shards, not the adapter that an export writes or a merge adds.
+
+    A LoRA checkpoint saved under tensor parallelism is read unsharded by
+    loading it onto a model of a tensor parallel size of 1
+    (:func:`~qwen35_fs2.lora.sharded.read_lora_checkpoint`).
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, LoraAdapter) and module.tp_gang is not None and module.tp_gang.size > 1:
+            raise ValueError(
+                f"The LoRA adapters of `model` must be unsharded (a tensor parallel size of 1), but `{name}` is split over {module.tp_gang.size} ranks instead. "
+                "Load the checkpoint onto a model of a tensor parallel size of 1 first."
+            )
+
+
 def is_lora_key(key: str) -> bool:
     """Whether ``key`` of a model's state dict names a tensor of a LoRA
     adapter: adapters are the ``lora`` children of their projections

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from fairseq2.error import NotSupportedError
 from fairseq2.nn import Linear, get_shard_dims
 
+from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
 from tp_testing import create_on_meta, fake_tp_gangs
@@ -179,6 +181,24 @@ class TestTensorParallelProjections:
             add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
 
         assert not isinstance(getattr(proj, "lora", None), LoraAdapter)
+
+    @pytest.mark.parametrize("write", ["peft", "merge"])
+    def test_export_and_merge_refuse_split_adapters(self, write: str, tmp_path: Path) -> None:
+        config = tiny_qwen35_config()
+
+        model = create_on_meta(config, fake_tp_gangs(2))
+
+        lora_config = LoraConfig(target_modules=["up_proj"], r=2)
+
+        apply_lora(model, lora_config, config)
+
+        with pytest.raises(ValueError, match=r"must be unsharded \(a tensor parallel size of 1\), but `decoder\.layers\.0\.ffn\.inner_proj\.lora` is split over 2 ranks instead\."):
+            if write == "peft":
+                save_peft_adapter(model, tmp_path / "adapter", config=lora_config, model_config=config)
+            else:
+                merge_lora_state_dict(model)
+
+        assert not (tmp_path / "adapter").exists()
 
     def test_takes_a_projection_of_a_single_rank_gang(self) -> None:
         config = tiny_qwen35_config()
