@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from qwen35_fs2.nn.lora import LoraAdapter
+from qwen35_fs2.nn.lora import LoraAdapter, check_lora_adapters_unsharded
 
 
 def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
@@ -20,8 +20,11 @@ def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
     dtype, it is the float32 merge rounded once, not the sum of two rounded
     terms. The other tensors keep their dtype.
 
-    :raises ValueError: if ``model`` has no adapters.
+    :raises ValueError: if ``model`` has no adapters, or adapters split over
+        tensor-parallel ranks.
     """
+    check_lora_adapters_unsharded(model)
+
     adapters = {name: module for name, module in model.named_modules() if isinstance(module, LoraAdapter)}
 
     if not adapters:

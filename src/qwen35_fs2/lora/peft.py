@@ -17,7 +17,7 @@ from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.export.writer import check_output_dir
 from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.nn.lora import LoraAdapter
+from qwen35_fs2.nn.lora import LoraAdapter, check_lora_adapters_unsharded
 
 PEFT_CONFIG_NAME: Final = "adapter_config.json"
 
@@ -53,9 +53,12 @@ def save_peft_adapter(
         Hub id or a directory), as PEFT records it.
     :param force: If ``True``, replaces the files of a non-empty ``out_dir``.
 
-    :raises ValueError: if ``model`` has no adapters.
+    :raises ValueError: if ``model`` has no adapters, or adapters split over
+        tensor-parallel ranks.
     """
     StandardObjectValidator().validate(config)
+
+    check_lora_adapters_unsharded(model)
 
     check_output_dir(out_dir, force=force)
 

@@ -32,6 +32,7 @@ from fairseq2.nn import (
 from fairseq2.ops import repeat_interleave
 from fairseq2.ops.tensor_parallel import gather, reduce_on_backward
 
+from qwen35_fs2.nn.lora import LoraAdapter
 from qwen35_fs2.nn.tp import (
     call_with_tp_summed_gradients,
     check_tp_divisible,
@@ -239,7 +240,16 @@ class Qwen35Attention(MultiheadAttention):
         def project(proj: ColumnShardedLinear) -> Tensor:
             weight = sum_gradient_over_tp(gather(proj.weight, self.tp_gang, dim=0), self.tp_gang)
 
-            return linear(seqs, weight.narrow(0, first_row, num_rows))
+            output = linear(seqs, weight.narrow(0, first_row, num_rows))
+
+            # The projection's forward, and so its adapter's hook, does not
+            # run: the adapter's rows are taken as the weight's are.
+            adapter = getattr(proj, "lora", None)
+
+            if isinstance(adapter, LoraAdapter):
+                output = output + adapter.update_rows(seqs, first_row, num_rows).to(output.dtype)
+
+            return output
 
         return project(self.k_proj), project(self.v_proj)
 

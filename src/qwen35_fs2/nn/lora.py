@@ -3,24 +3,56 @@
 from __future__ import annotations
 
 import math
-from typing import final
+from functools import partial
+from typing import Literal, TypeAlias, final
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn import Dropout, Module
+from torch.nn import Dropout, Module, Parameter
+from torch.nn.functional import linear
+from typing_extensions import override
 
 from fairseq2.error import NotSupportedError
+from fairseq2.gang import Gang
 from fairseq2.nn import ColumnShardedLinear, Linear, Projection, RowShardedLinear
+from fairseq2.nn.sharded import Sharded
+from fairseq2.ops.tensor_parallel import gather, reduce, reduce_on_backward
+
+from qwen35_fs2.nn.tp import check_tp_divisible, sum_gradient_over_tp
+
+LoraTpSplit: TypeAlias = Literal["output", "input"]
+"""How the adapter of a tensor-parallel projection is split over the ranks:
+``"output"`` (a column-sharded projection) splits the rows of ``B``,
+``"input"`` (a row-sharded one) the columns of ``A``."""
 
 
 @final
-class LoraAdapter(Module):
+class LoraAdapter(Module, Sharded):
     """The low-rank update ``scaling · B(A(dropout(x)))`` of a projection.
 
     ``A`` (``r × input_dim``) starts Kaiming-uniform and ``B``
     (``output_dim × r``) at zero, as PEFT initialises them, so a new adapter
     leaves the projection's output unchanged.
+
+    Under tensor parallelism the adapter is split as its projection is, so
+    that each rank's update is its share of the projection's output:
+
+    - ``tp_split="output"`` (column-sharded projection, whose rank computes
+      its rows of the output): each rank holds its rows of ``B`` and all of
+      ``A``. Every rank's rows depend on ``A x``, so the gradient of ``A x``
+      is summed over the ranks in the backward pass: an all-reduce of ``r``
+      values per token, which gives every rank the whole gradient of ``A``
+      and of ``x``.
+    - ``tp_split="input"`` (row-sharded projection, whose ranks' partial
+      outputs are summed): each rank holds its columns of ``A`` and all of
+      ``B``. The ranks' partial ``A x`` are summed in the forward pass (``r``
+      values per token), so ``B`` sees, and its gradient is, that of the
+      unsharded adapter.
+
+    A replicated input's dropout mask must then be the same on every rank,
+    as it is for fairseq2's dropout on the (replicated) residual stream:
+    every rank draws from the same seed in the same order.
     """
 
     def __init__(
@@ -32,15 +64,23 @@ class LoraAdapter(Module):
         alpha: float,
         dropout_p: float,
         rslora: bool,
+        tp_split: LoraTpSplit | None = None,
+        tp_gang: Gang | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         """
+        :param input_dim: The input dimension of the unsharded projection.
+        :param output_dim: The output dimension of the unsharded projection.
         :param rank: ``r``, the inner dimension of the update.
         :param alpha: The numerator of the scaling.
         :param dropout_p: The dropout probability on the adapter's input.
         :param rslora: If ``True``, scales by ``alpha / sqrt(r)`` (rank-stabilised
             LoRA) instead of ``alpha / r``.
+        :param tp_split: How the adapter is split over the ranks of
+            ``tp_gang``; ``None`` if the projection is not tensor-parallel.
+        :param tp_gang: The tensor-parallel gang of the projection; required
+            with ``tp_split``.
         """
         super().__init__()
 
@@ -50,25 +90,69 @@ class LoraAdapter(Module):
         if not 0.0 <= dropout_p < 1.0:
             raise ValueError(f"`dropout_p` must be in [0, 1), but is {dropout_p} instead.")
 
+        if (tp_split is None) != (tp_gang is None):
+            raise ValueError(
+                f"`tp_gang` must be given if and only if `tp_split` is, but `tp_split` is {tp_split!r} and `tp_gang` is {tp_gang!r} instead."
+            )
+
+        # The rank's shard of A's columns and its rows of B.
+        a_num_shards, a_shard_idx = 1, 0
+
+        b_output_dim = output_dim
+
+        if tp_gang is not None:
+            if tp_split == "input":
+                check_tp_divisible("input_dim", input_dim, tp_gang)
+
+                a_num_shards, a_shard_idx = tp_gang.size, tp_gang.rank
+            else:
+                check_tp_divisible("output_dim", output_dim, tp_gang)
+
+                b_output_dim = output_dim // tp_gang.size
+
         self.rank = rank
 
         self.scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
 
         self.dropout = Dropout(dropout_p) if dropout_p > 0.0 else None
 
-        self.a_proj = Linear(input_dim, rank, bias=False, init_fn=_init_a, device=device, dtype=dtype)
+        self.tp_split = tp_split
 
-        self.b_proj = Linear(rank, output_dim, bias=False, init_fn=_init_b, device=device, dtype=dtype)
+        self.tp_gang = tp_gang
+
+        self.a_proj = Linear(
+            input_dim // a_num_shards,
+            rank,
+            bias=False,
+            init_fn=partial(_init_a, input_dim=input_dim, num_shards=a_num_shards, shard_idx=a_shard_idx),
+            device=device,
+            dtype=dtype,
+        )
+
+        self.b_proj = Linear(rank, b_output_dim, bias=False, init_fn=_init_b, device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
         self.a_proj.reset_parameters()
         self.b_proj.reset_parameters()
 
     def forward(self, x: Tensor) -> Tensor:
+        """
+        :param x: The input of the projection on this rank.
+
+        :returns: The update of the projection's output on this rank.
+        """
         if self.dropout is not None:
             x = self.dropout(x)
 
-        return self.b_proj(self.a_proj(x)) * self.scaling
+        h = self.a_proj(x)
+
+        if self.tp_gang is not None and self.tp_gang.size > 1:
+            if self.tp_split == "output":
+                h = reduce_on_backward(h, self.tp_gang)
+            else:
+                h = reduce(h, self.tp_gang)
+
+        return self.b_proj(h) * self.scaling
 
     def add_to_output(self, proj: Module, args: tuple[Tensor, ...], output: Tensor) -> Tensor:
         """The forward hook of the adapted projection ``proj``: returns its
@@ -81,14 +165,60 @@ class LoraAdapter(Module):
 
         return output + self(x.to(self.a_proj.weight.dtype)).to(output.dtype)
 
+    def update_rows(self, x: Tensor, start: int, length: int) -> Tensor:
+        """Returns rows ``start`` to ``start + length`` of the update of the
+        unsharded projection, from ``B`` gathered over the ranks: the update
+        of a column-sharded projection whose weight is gathered the same way
+        (replicated key/value heads, :class:`~qwen35_fs2.nn.Qwen35Attention`).
+
+        Each rank's rows are its own, so the gradients of ``A`` and of the
+        gathered ``B`` are summed over the ranks; the caller sums the
+        gradient of ``x``.
+        """
+        if self.tp_split != "output" or self.tp_gang is None:
+            raise ValueError(f"The adapter must be split by output rows (`tp_split='output'`), but `tp_split` is {self.tp_split!r} instead.")
+
+        x = x.to(self.a_proj.weight.dtype)
+
+        if self.dropout is not None:
+            x = self.dropout(x)
+
+        a = sum_gradient_over_tp(self.a_proj.weight, self.tp_gang)
+
+        b = sum_gradient_over_tp(gather(self.b_proj.weight, self.tp_gang, dim=0), self.tp_gang)
+
+        return linear(linear(x, a), b.narrow(0, start, length)) * self.scaling
+
+    @override
+    def get_shard_dims(self) -> list[tuple[Parameter, int]]:
+        if self.tp_split == "output":
+            return [(self.b_proj.weight, 0)]
+
+        if self.tp_split == "input":
+            return [(self.a_proj.weight, 1)]
+
+        return []
+
     def extra_repr(self) -> str:
         """:meta private:"""
-        return f"rank={self.rank}, scaling={self.scaling}"
+        s = f"rank={self.rank}, scaling={self.scaling}"
+
+        if self.tp_gang is not None:
+            s = f"{s}, tp_split={self.tp_split}, tp_rank={self.tp_gang.rank}, tp_size={self.tp_gang.size}"
+
+        return s
 
 
-def _init_a(proj: Linear) -> None:
-    # U(-1/sqrt(input_dim), 1/sqrt(input_dim)), PEFT's default for A.
-    torch.nn.init.kaiming_uniform_(proj.weight, a=math.sqrt(5))
+def _init_a(proj: Linear, *, input_dim: int, num_shards: int, shard_idx: int) -> None:
+    # U(-1/sqrt(input_dim), 1/sqrt(input_dim)), PEFT's default for A. A split
+    # A is drawn whole and this shard's columns kept: the adapter of a rank
+    # is then the shard of the unsharded one drawn from the same seed.
+    weight = torch.empty((proj.output_dim, input_dim), device=proj.weight.device, dtype=proj.weight.dtype)
+
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+    with torch.no_grad():
+        proj.weight.copy_(weight.chunk(num_shards, dim=1)[shard_idx])
 
 
 def _init_b(proj: Linear) -> None:
@@ -102,26 +232,45 @@ def reset_lora_adapters(model: Module) -> None:
     Sharded loading allocates them uninitialized, since a base checkpoint has
     none. A sharded ``A`` is drawn whole and scattered from rank 0: drawing
     each rank's rows with the same seed on every rank would repeat the same
-    rows in every shard, an adapter of lower rank.
+    rows in every shard, an adapter of lower rank. Under tensor parallelism
+    "whole" is the rank's tensor-parallel shard, itself cut from an ``A``
+    drawn whole (:class:`LoraAdapter`).
     """
     with torch.no_grad():
         for adapter in model.modules():
             if not isinstance(adapter, LoraAdapter):
                 continue
 
-            for proj, init_fn in ((adapter.a_proj, _init_a), (adapter.b_proj, _init_b)):
+            for proj in (adapter.a_proj, adapter.b_proj):
                 weight = proj.weight
 
                 if not isinstance(weight, DTensor):
-                    init_fn(proj)
+                    proj.reset_parameters()
 
                     continue
 
-                full = Linear(weight.size(1), weight.size(0), bias=False, init_fn=init_fn, device=weight.to_local().device, dtype=weight.dtype)
+                full = Linear(weight.size(1), weight.size(0), bias=False, init_fn=proj.init_fn, device=weight.to_local().device, dtype=weight.dtype)
 
                 sharded = distribute_tensor(full.weight.detach(), weight.device_mesh, weight.placements)
 
                 weight.to_local().copy_(sharded.to_local())
+
+
+def check_lora_adapters_unsharded(model: Module) -> None:
+    """Raises a :class:`ValueError` if an adapter of ``model`` is split over
+    the ranks of a tensor-parallel gang: its tensors are then this rank's
+    shards, not the adapter that an export writes or a merge adds.
+
+    A LoRA checkpoint saved under tensor parallelism is read unsharded by
+    loading it onto a model of a tensor parallel size of 1
+    (:func:`~qwen35_fs2.lora.sharded.read_lora_checkpoint`).
+    """
+    for name, module in model.named_modules():
+        if isinstance(module, LoraAdapter) and module.tp_gang is not None and module.tp_gang.size > 1:
+            raise ValueError(
+                f"The LoRA adapters of `model` must be unsharded (a tensor parallel size of 1), but `{name}` is split over {module.tp_gang.size} ranks instead. "
+                "Load the checkpoint onto a model of a tensor parallel size of 1 first."
+            )
 
 
 def is_lora_key(key: str) -> bool:
@@ -150,18 +299,36 @@ def add_lora_adapter(
     ``.lora.b_proj.weight``. The adapter is created in the dtype and on the
     device of ``proj``'s weight.
 
-    Tensor-parallel projections are not supported yet: the adapter of a
-    column-sharded projection needs its input gradient summed over the
-    ranks, and that of a row-sharded one its output.
+    The adapter of a tensor-parallel projection (:class:`ColumnShardedLinear`,
+    :class:`RowShardedLinear`) is split as the projection is (see
+    :class:`LoraAdapter`); its ``B`` rows follow the projection's weight
+    rows, in our order (the Gated DeltaNet ``in_proj_qkv`` rows grouped by
+    key head), so the shards of all ranks, concatenated, are the adapter of
+    the unsharded projection. A column-sharded projection must keep its
+    output sharded, and a row-sharded one must take a sharded input and sum
+    the ranks' outputs, as those of the Qwen3.5 layers do.
     """
     if isinstance(getattr(proj, "lora", None), LoraAdapter):
         raise ValueError("`proj` must not have a LoRA adapter yet, but has one instead.")
 
-    if isinstance(proj, (ColumnShardedLinear, RowShardedLinear)) and proj.tp_gang.size > 1:
-        raise NotSupportedError(
-            f"LoRA on tensor-parallel projections is not supported yet, but `proj` is sharded over {proj.tp_gang.size} ranks. "
-            "Train LoRA with data parallelism (FSDP) and a tensor parallel size of 1."
-        )
+    tp_split: LoraTpSplit | None = None
+
+    tp_gang: Gang | None = None
+
+    if isinstance(proj, ColumnShardedLinear):
+        if proj.sharded and proj.gather_output:
+            raise NotSupportedError(
+                f"`proj` must keep its output sharded to take a LoRA adapter, but gathers it over {proj.tp_gang.size} ranks instead."
+            )
+
+        tp_split, tp_gang = "output", proj.tp_gang
+    elif isinstance(proj, RowShardedLinear):
+        if proj.sharded and (proj.scatter_input or not proj.reduce_output):
+            raise NotSupportedError(
+                f"`proj` must take a sharded input and sum the ranks' outputs to take a LoRA adapter, but has `scatter_input={proj.scatter_input}` and `reduce_output={proj.reduce_output}` instead."
+            )
+
+        tp_split, tp_gang = "input", proj.tp_gang
 
     weight = proj.weight
 
@@ -175,6 +342,8 @@ def add_lora_adapter(
         alpha=alpha,
         dropout_p=dropout_p,
         rslora=rslora,
+        tp_split=tp_split,
+        tp_gang=tp_gang,
         device=weight.device,
         dtype=weight.dtype,
     )

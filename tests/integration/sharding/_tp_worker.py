@@ -11,6 +11,14 @@ parameter (sharded ones gathered) must agree. The TP=2 model is then saved
 as a 2-shard fairseq2 checkpoint and loaded under TP=1: it must be the
 unsharded model, bit for bit.
 
+The same models with LoRA adapters on every target (``lora_*`` cases, the
+base frozen): adapters put on the TP=2 model from the same seed are the
+shards of those of the unsharded model; with random adapters (read from the
+unsharded model's adapter checkpoint as the export reads a LoRA run's,
+split by the adapters' shard dims), the logits, the loss and every adapter gradient
+agree; and the TP=2 adapters, saved as a 2-shard checkpoint, load under
+TP=1 as the unsharded ones, bit for bit.
+
 Differences are relative to the largest magnitude of the expected tensor.
 Writes ``{case: {"max_logit_diff": ..., "loss_diff": ..., "max_grad_diff":
 ...}}`` to ``--output-dir/result.json`` (rank 0).
@@ -29,6 +37,12 @@ from torch.nn import Module
 from fairseq2.gang import Gangs, ProcessGroupGang, create_fake_gangs, create_parallel_gangs, set_gangs
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, get_shard_dims
+from fairseq2.nn.data_parallel import get_data_parallel_facade
+
+from qwen35_fs2.lora import LoraConfig, apply_lora, lora_parameters
+from qwen35_fs2.lora.checkpoint import LoraCheckpointFacade
+from qwen35_fs2.lora.sharded import read_lora_checkpoint
+from qwen35_fs2.nn.lora import is_lora_key
 
 from qwen35_fs2.nn import collect_moe_statistics
 from qwen35_fs2.models.qwen35 import create_qwen35_model, get_qwen35_model_hub
@@ -145,30 +159,43 @@ def _run(model: TransformerLM, batches: list[tuple[Tensor, BatchLayout, Tensor, 
     return logits, total
 
 
-def _full_gradients(model: Module, gangs: Gangs) -> dict[str, Tensor]:
-    """Returns the gradient of every parameter, those of sharded parameters
-    gathered over the tensor-parallel ranks."""
-    shard_dims = get_shard_dims(model)
+def _gather_shards(tensors: dict[str, Tensor], shard_dims: dict[str, int], gangs: Gangs) -> dict[str, Tensor]:
+    """Returns ``tensors`` with those that are sharded gathered over the
+    tensor-parallel ranks."""
+    gathered = {}
 
-    gradients = {}
-
-    for name, param in model.named_parameters():
-        grad = param.grad
-
-        assert grad is not None, name
-
+    for name, tensor in tensors.items():
         dim = shard_dims.get(name)
 
         if dim is not None:
-            splits = [torch.empty_like(grad) for _ in range(gangs.tp.size)]
+            splits = [torch.empty_like(tensor) for _ in range(gangs.tp.size)]
 
-            gangs.tp.all_gather_to_list(splits, grad.contiguous())
+            gangs.tp.all_gather_to_list(splits, tensor.contiguous())
 
-            grad = torch.cat(splits, dim=dim)
+            tensor = torch.cat(splits, dim=dim)
 
-        gradients[name] = grad
+        gathered[name] = tensor
 
-    return gradients
+    return gathered
+
+
+def _full_gradients(model: Module, gangs: Gangs) -> dict[str, Tensor]:
+    """Returns the gradient of every trainable parameter, those of sharded
+    parameters gathered over the tensor-parallel ranks; frozen parameters
+    must have none."""
+    gradients = {}
+
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            assert param.grad is None, name
+
+            continue
+
+        assert param.grad is not None, name
+
+        gradients[name] = param.grad
+
+    return _gather_shards(gradients, get_shard_dims(model), gangs)
 
 
 def _assert_close(actual: Tensor, expected: Tensor, name: str) -> float:
@@ -195,9 +222,10 @@ def _max_diff(expected: dict[str, Tensor], actual: dict[str, Tensor]) -> float:
     return max(_assert_close(actual[name], value, name) for name, value in expected.items())
 
 
-def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
-    rank = tp_gangs.root.rank
-
+def _reference_and_tp_model(config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, path: Path) -> tuple[TransformerLM, TransformerLM]:
+    """Returns the unsharded model of ``config`` with perturbed weights and
+    the same model loaded under ``tp_gangs`` from its checkpoint at
+    ``path``, both in training mode."""
     torch.manual_seed(0)
 
     with set_gangs(single_gangs):
@@ -207,14 +235,16 @@ def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: 
         for param in reference.parameters():
             param.add_(torch.randn_like(param) * 0.02)
 
-    tp1_path = output_dir / name / "tp1"
-
-    if rank == 0:
-        _save_shard(reference, tp1_path, tp_rank=0)
+    if tp_gangs.root.rank == 0:
+        _save_shard(reference, path, tp_rank=0)
 
     tp_gangs.root.barrier()
 
-    model = _load(tp1_path, config, tp_gangs).train()
+    return reference, _load(path, config, tp_gangs).train()
+
+
+def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
+    reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "tp1")
 
     batches = _batches(config.vocab_size)
 
@@ -245,6 +275,109 @@ def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: 
     return result
 
 
+# Rank 4 and a scaling of 2; dropout off, so that both runs compute the same.
+_LORA = LoraConfig(r=4, alpha=8.0)
+
+
+def _adapter_state(model: Module) -> dict[str, Tensor]:
+    return {key: value for key, value in model.state_dict().items() if is_lora_key(key)}
+
+
+def _save_adapters(model: Module, path: Path, tp_rank: int) -> None:
+    """Saves the adapters of ``model``, as a LoRA run's checkpoints hold
+    them without the base, as tensor-parallel shard ``tp_rank`` of a fairseq2
+    checkpoint at ``path``."""
+    shard_dir = path / "pp_00" / f"tp_{tp_rank:02d}"
+
+    shard_dir.mkdir(parents=True, exist_ok=True)
+
+    torch.save(_adapter_state(model), shard_dir / "sdp_00.pt")
+
+
+def _load_adapters(model: Module, path: Path, gangs: Gangs) -> None:
+    """Loads the adapters saved at ``path`` into ``model`` as the export
+    reads a LoRA run's checkpoint."""
+    LoraCheckpointFacade(get_data_parallel_facade(model)).load_state_dict(read_lora_checkpoint(path, model, gangs))
+
+
+def _check_lora_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
+    rank = tp_gangs.root.rank
+
+    reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "base")
+
+    # New adapters from the same seed: the TP=2 ones are shards of the
+    # unsharded ones (A random, B zero).
+    torch.manual_seed(5)
+
+    apply_lora(reference, _LORA, config)
+
+    torch.manual_seed(5)
+
+    apply_lora(model, _LORA, config)
+
+    new_adapters = _gather_shards(_adapter_state(model), get_shard_dims(model), tp_gangs)
+
+    expected_new = _adapter_state(reference)
+
+    assert new_adapters.keys() == expected_new.keys()
+
+    for key, value in expected_new.items():
+        assert torch.equal(new_adapters[key], value), key
+
+    assert any(value.count_nonzero() > 0 for value in expected_new.values())
+
+    # Random adapters (a zero B would leave A without gradient), read by the
+    # TP=2 model from the unsharded model's checkpoint.
+    with torch.no_grad():
+        for param in lora_parameters(reference):
+            param.copy_(torch.randn_like(param) * 0.1)
+
+    lora_path = output_dir / name / "tp1"
+
+    if rank == 0:
+        _save_adapters(reference, lora_path, tp_rank=0)
+
+    tp_gangs.root.barrier()
+
+    _load_adapters(model, lora_path, tp_gangs)
+
+    batches = _batches(config.vocab_size)
+
+    expected_logits, expected_loss = _run(reference, batches)
+
+    logits, loss = _run(model, batches)
+
+    result = {
+        "max_logit_diff": max(_assert_close(a, e, "logits") for a, e in zip(logits, expected_logits)),
+        "loss_diff": _assert_close(loss, expected_loss, "loss"),
+    }
+
+    expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    assert expected_gradients.keys() == {n for n, p in reference.named_parameters() if is_lora_key(n)}
+
+    result["max_grad_diff"] = _max_diff(expected_gradients, _full_gradients(model, tp_gangs))
+
+    # TP=2 -> TP=1.
+    tp2_path = output_dir / name / "tp2"
+
+    _save_adapters(model, tp2_path, tp_rank=tp_gangs.tp.rank)
+
+    tp_gangs.root.barrier()
+
+    with set_gangs(single_gangs):
+        unsharded = _create(config)
+
+    apply_lora(unsharded, _LORA, config)
+
+    _load_adapters(unsharded, tp2_path, single_gangs)
+
+    for key, value in _adapter_state(reference).items():
+        assert torch.equal(_adapter_state(unsharded)[key], value), key
+
+    return result
+
+
 def _assert_equal_state(expected: Module, actual: Module) -> None:
     expected_state = expected.state_dict()
     actual_state = actual.state_dict()
@@ -271,6 +404,9 @@ def main() -> None:
     single_gangs = create_fake_gangs(CPU)
 
     results = {name: _check_case(name, config, tp_gangs, single_gangs, args.output_dir) for name, config in _cases().items()}
+
+    for name, config in _cases().items():
+        results[f"lora_{name}"] = _check_lora_case(f"lora_{name}", config, tp_gangs, single_gangs, args.output_dir)
 
     if root_gang.rank == 0:
         (args.output_dir / "result.json").write_text(json.dumps(results))

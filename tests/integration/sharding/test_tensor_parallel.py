@@ -1,6 +1,7 @@
 """Tiny dense and MoE Qwen3.5 models under 2-way tensor parallelism (two CPU
 processes, gloo) give the logits, loss and gradients of the unsharded model,
-and their checkpoints load under either tensor parallel size."""
+and their checkpoints load under either tensor parallel size; so do their
+LoRA adapters on every target."""
 
 from __future__ import annotations
 
@@ -28,4 +29,4 @@ def test_tp2_matches_tp1_and_checkpoints_reshard(tmp_path: Path) -> None:
 
     result = json.loads((tmp_path / "result.json").read_text())
 
-    assert set(result) == {"dense", "dense_replicated_kv", "moe"}
+    assert set(result) == {"dense", "dense_replicated_kv", "moe", "lora_dense", "lora_dense_replicated_kv", "lora_moe"}

@@ -1,13 +1,15 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from fairseq2.error import NotSupportedError
-from fairseq2.nn import Linear
+from fairseq2.nn import Linear, get_shard_dims
 
+from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
 from tp_testing import create_on_meta, fake_tp_gangs
@@ -135,17 +137,68 @@ class TestLoraAdapter:
 
 
 class TestTensorParallelProjections:
-    def test_refuses_a_projection_sharded_over_two_ranks(self) -> None:
+    """How adapters split under tensor parallelism; that the split computes
+    what the unsharded adapter does is tested under 2 processes
+    (tests/integration/sharding/test_tensor_parallel.py)."""
+
+    def test_adapter_splits_as_its_projection(self) -> None:
+        config = tiny_qwen35_config()
+
+        model = create_on_meta(config, fake_tp_gangs(2, tp_rank=1))
+
+        attn = model.decoder.layers[3].self_attn  # type: ignore[index, union-attr]
+
+        # Column-sharded: B's rows split, A whole.
+        column = add_lora_adapter(attn.q_proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert column.a_proj.weight.shape == (4, config.model_dim)
+        assert column.b_proj.weight.shape == (attn.q_proj.output_dim // 2, 4)
+
+        # Row-sharded: A's columns split, B whole.
+        row = add_lora_adapter(attn.output_proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert row.a_proj.weight.shape == (4, attn.output_proj.input_dim // 2)
+        assert row.b_proj.weight.shape == (config.model_dim, 4)
+
+        shard_dims = get_shard_dims(attn)
+
+        assert shard_dims["q_proj.lora.b_proj.weight"] == 0
+        assert shard_dims["output_proj.lora.a_proj.weight"] == 1
+
+        assert "q_proj.lora.a_proj.weight" not in shard_dims
+        assert "output_proj.lora.b_proj.weight" not in shard_dims
+
+    def test_refuses_a_projection_that_gathers_its_output(self) -> None:
+        config = tiny_qwen35_config()
+
+        config.tied_embeddings = False
+
+        model = create_on_meta(config, fake_tp_gangs(2))
+
+        proj = model.final_proj
+
+        with pytest.raises(NotSupportedError, match=r"`proj` must keep its output sharded to take a LoRA adapter, but gathers it over 2 ranks instead\."):
+            add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+
+        assert not isinstance(getattr(proj, "lora", None), LoraAdapter)
+
+    @pytest.mark.parametrize("write", ["peft", "merge"])
+    def test_export_and_merge_refuse_split_adapters(self, write: str, tmp_path: Path) -> None:
         config = tiny_qwen35_config()
 
         model = create_on_meta(config, fake_tp_gangs(2))
 
-        proj = model.decoder.layers[3].self_attn.q_proj  # type: ignore[index, union-attr]
+        lora_config = LoraConfig(target_modules=["up_proj"], r=2)
 
-        with pytest.raises(NotSupportedError, match=r"sharded over 2 ranks"):
-            add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
+        apply_lora(model, lora_config, config)
 
-        assert not isinstance(getattr(proj, "lora", None), LoraAdapter)
+        with pytest.raises(ValueError, match=r"must be unsharded \(a tensor parallel size of 1\), but `decoder\.layers\.0\.ffn\.inner_proj\.lora` is split over 2 ranks instead\."):
+            if write == "peft":
+                save_peft_adapter(model, tmp_path / "adapter", config=lora_config, model_config=config)
+            else:
+                merge_lora_state_dict(model)
+
+        assert not (tmp_path / "adapter").exists()
 
     def test_takes_a_projection_of_a_single_rank_gang(self) -> None:
         config = tiny_qwen35_config()
@@ -157,3 +210,5 @@ class TestTensorParallelProjections:
         adapter = add_lora_adapter(proj, rank=4, alpha=8.0, dropout_p=0.0, rslora=False)
 
         assert proj.lora is adapter
+
+        assert adapter.b_proj.weight.shape == (proj.output_dim, 4)

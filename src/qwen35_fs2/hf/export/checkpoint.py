@@ -42,6 +42,7 @@ from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
 from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
+from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
 from qwen35_fs2.models.qwen35_moe.config import QWEN35_MOE_FAMILY, Qwen35MoeConfig
@@ -276,7 +277,7 @@ def _load_lora_model(source: _Source, dtype: DataType, *, read_base: bool) -> to
         except (LoraBaseError, CorruptModelCheckpointError) as ex:
             raise CheckpointError(f"The base of {source.description} cannot be read: {ex}") from ex
 
-    adapters = dict(hub.iter_checkpoint(source.path, source.config, mmap=True))
+    adapters = read_lora_checkpoint(source.path, model, create_fake_gangs(CPU), mmap=True)
 
     try:
         LoraCheckpointFacade(get_data_parallel_facade(model)).load_state_dict(adapters)
