@@ -1,9 +1,13 @@
 """The loss of the MTP head (cross entropy on the token after next) against
 an independent computation that walks the documents of the batch one by
 one: packed batches with document boundaries, padded batches, target masks,
-the chunked loss, and its place in the recipes' loss."""
+the chunked loss, and its place in the recipes' loss; under activation
+checkpointing and in bf16, against the same model's fp32 step without it
+(tensor parallelism: tests/integration/sharding/_tp_worker.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -395,3 +399,129 @@ class TestMtpLossOfMoeModels:
         assert model.mtp.layers[0].ffn.experts.gate_inner_proj.grad is not None
 
         assert metric_bag.get("mtp_loss", Mean).compute() > 0.0
+
+
+def _recipe_step(model: TransformerLM, batch: SequenceBatch, *, mtp_loss_weight: float = 0.5) -> tuple[Tensor, float, dict[str, Tensor]]:
+    """One training step's loss as the recipes compute it (next-token plus
+    weighted MTP loss), after its backward pass: ``(loss, mean MTP loss,
+    the gradient of every parameter)``."""
+    setup_lm_loss(model, LMLossSection(mtp_loss_weight=mtp_loss_weight))
+
+    metric_bag = MetricBag(CPU)
+
+    computer = LMLossComputer(model, mtp_loss_weight=mtp_loss_weight)
+
+    computer.prepare_metric_bag(metric_bag)
+
+    model.zero_grad()
+
+    loss, _ = computer(batch, metric_bag)
+
+    loss.backward()
+
+    mtp_loss = float(metric_bag.get("mtp_loss", Mean).compute())
+
+    # Wrappers (activation checkpointing) insert themselves into the names.
+    gradients = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+
+    assert all(grad is not None for grad in gradients.values()), [n for n, g in gradients.items() if g is None]
+
+    return loss.detach(), mtp_loss, gradients  # type: ignore[return-value]
+
+
+class TestMtpLossUnderActivationCheckpointing:
+    def test_gives_the_loss_and_gradients_of_the_model_without_it(self) -> None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        from qwen35_fs2.parallel import apply_ac_to_qwen35
+
+        batch = _packed_batch(masked=True)
+
+        expected_loss, expected_mtp_loss, expected_gradients = _recipe_step(_model(), batch)
+
+        # As the recipes apply it (the family's layerwise applier): every
+        # trunk layer is recomputed in the backward pass, after the model's
+        # pre-hook handed the head its layout.
+        model = apply_ac_to_qwen35(_model(), every_nth_layer=1)
+
+        assert all(isinstance(layer, CheckpointWrapper) for layer in model.decoder.layers)
+
+        loss, mtp_loss, gradients = _recipe_step(model, batch)
+
+        # The same operations on the same values: bit for bit.
+        torch.testing.assert_close(loss, expected_loss, rtol=0, atol=0)
+
+        assert mtp_loss == expected_mtp_loss
+
+        assert gradients.keys() == expected_gradients.keys()
+
+        unequal = [name for name, grad in gradients.items() if not torch.equal(grad, expected_gradients[name])]
+
+        assert not unequal, unequal
+
+
+# bf16 keeps 8 bits of mantissa: one rounding is off by up to 2^-8 (0.39%)
+# of the value. Nothing is trained here, so the losses differ from fp32 by
+# the roundings of one forward pass (measured: at most 6.6e-4 relative, the
+# mean MTP loss with bf16 weights) and stay within one rounding of the loss
+# itself. A gradient sums products of a forward and a backward pass, each
+# rounded a few times: measured, every gradient of the head is within 2.3%
+# (RMS, relative to its norm) of fp32, the trunk's within 3.2% except the
+# Gated DeltaNet decay's (below). 7% leaves twice that; a wrong computation
+# is off by its whole size (a missing or doubled term). It is no test of
+# precision finer than that: the head's `fc` output rounded to 3 bits of
+# mantissa passes it.
+_BF16_LOSS_RTOL = 2**-8
+
+_BF16_GRAD_RTOL = 0.07
+
+
+def _relative_rms_error(actual: Tensor, expected: Tensor) -> float:
+    return float((actual.float() - expected).norm() / expected.norm())
+
+
+def _confident_model() -> TransformerLM:
+    """:func:`_model` with ten times larger logits, from the trunk and from
+    the head: a model whose predictions are close to uniform has a loss that
+    hardly depends on its logits, and so on their rounding."""
+    model = _model()
+
+    with torch.no_grad():
+        # Zero-centered: the scale is `1 + weight`.
+        for norm in (model.decoder.layer_norm, model.mtp.layer_norm):
+            norm.weight.add_(9.0)
+
+    return model
+
+
+class TestMtpLossInBf16:
+    @pytest.mark.parametrize("precision", ["autocast", "bf16_weights"])
+    def test_stays_within_bf16_rounding_of_fp32(self, precision: str) -> None:
+        batch = _packed_batch(masked=True)
+
+        expected_loss, expected_mtp_loss, expected_gradients = _recipe_step(_confident_model(), batch)
+
+        if precision == "autocast":
+            # How one process trains with `mixed_precision.mode` `static` or
+            # `auto`: fp32 weights, bf16 GEMMs.
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, mtp_loss, gradients = _recipe_step(_confident_model(), batch)
+        else:
+            # FSDP2's `static` mixed precision: the weights themselves are
+            # bf16 in the forward and backward passes.
+            loss, mtp_loss, gradients = _recipe_step(_confident_model().to(torch.bfloat16), batch)
+
+        assert math.isfinite(mtp_loss)
+
+        torch.testing.assert_close(loss.float(), expected_loss, rtol=_BF16_LOSS_RTOL, atol=0)
+
+        assert mtp_loss == pytest.approx(expected_mtp_loss, rel=_BF16_LOSS_RTOL)
+
+        errors = {name: _relative_rms_error(grad, expected_gradients[name]) for name, grad in gradients.items()}
+
+        # The gradients of `A_log` and `dt_bias` are small sums of terms of
+        # both signs (measured under autocast: 9% off in one layer); their
+        # precision is the trunk's (tests/integration/models/test_bf16_parity.py).
+        large = {name: error for name, error in errors.items() if error > _BF16_GRAD_RTOL and ".decay." not in name}
+
+        assert not large, large
