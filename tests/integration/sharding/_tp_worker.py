@@ -7,7 +7,11 @@ perturbed, so that no norm is trivially 1), saves it as a fairseq2
 checkpoint, and loads it under TP=2 through the family's checkpoint loader,
 which reshards it by the modules' shard dims. Both models run the same
 padded and packed batches; the logits, the loss and the gradients of every
-parameter (sharded ones gathered) must agree. The TP=2 model is then saved
+parameter (sharded ones gathered) must agree. The ``dense`` and ``moe``
+models carry an MTP head, trained beside the next-token loss through the
+recipes' chunked loss (tied and untied output projections, dense and MoE
+head layers); the head is replicated on every rank except its decoder
+layer, which shards itself as the trunk's do. The TP=2 model is then saved
 as a 2-shard fairseq2 checkpoint and loaded under TP=1: it must be the
 unsharded model, bit for bit.
 
@@ -21,7 +25,8 @@ TP=1 as the unsharded ones, bit for bit.
 
 Differences are relative to the largest magnitude of the expected tensor.
 Writes ``{case: {"max_logit_diff": ..., "loss_diff": ..., "max_grad_diff":
-...}}`` to ``--output-dir/result.json`` (rank 0).
+...}}`` (and ``"mtp_loss_diff"`` for the cases with an MTP head) to
+``--output-dir/result.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.nn.lora import is_lora_key
 
 from qwen35_fs2.nn import collect_moe_statistics
+from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.models.qwen35 import create_qwen35_model, get_qwen35_model_hub
 from qwen35_fs2.models.qwen35_moe import (
     create_qwen35_moe_model,
@@ -52,6 +58,7 @@ from qwen35_fs2.models.qwen35_moe import (
 )
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 
 CPU = torch.device("cpu")
 
@@ -62,10 +69,19 @@ CPU = torch.device("cpu")
 # wrong shard or a missing reduction is off by 1e-2 or more.
 TOLERANCE = 2e-5
 
+# The weight of the MTP head's loss, as `mtp_loss_weight` weighs it.
+MTP_LOSS_WEIGHT = 0.5
+
+# Fewer tokens than a batch's: the loss runs chunk by chunk under TP=2 (a
+# sharded output projection) and by blocks of classes under TP=1.
+LOSS_CHUNK_SIZE = 8
+
 
 def _cases() -> dict[str, Qwen35Config]:
-    # Tied embeddings; 2 key/value heads, one per rank.
+    # Tied embeddings; 2 key/value heads, one per rank; an MTP head.
     dense = tiny_qwen35_config()
+
+    dense.mtp_num_layers = 1
 
     # Untied; one key/value head, replicated on both ranks.
     replicated = tiny_qwen35_config()
@@ -73,7 +89,10 @@ def _cases() -> dict[str, Qwen35Config]:
     replicated.tied_embeddings = False
     replicated.num_key_value_heads = 1
 
+    # Untied; an MTP head with an MoE layer.
     moe = tiny_qwen35_moe_config()
+
+    moe.mtp_num_layers = 1
 
     return {"dense": dense, "dense_replicated_kv": replicated, "moe": moe}
 
@@ -90,6 +109,15 @@ def _load(path: Path, config: Qwen35Config, gangs: Gangs) -> TransformerLM:
         return get_qwen35_moe_model_hub().load_custom_model(path, config, gangs=gangs, dtype=torch.float32)
 
     return get_qwen35_model_hub().load_custom_model(path, config, gangs=gangs, dtype=torch.float32)
+
+
+def _install_mtp_loss(model: TransformerLM) -> TransformerLM:
+    """Makes a model with an MTP head compute the head's loss in its forward
+    pass, as the recipes do; returns ``model``."""
+    if find_mtp(model) is not None:
+        install_chunked_lm_loss(model, chunk_size=LOSS_CHUNK_SIZE, mtp_loss="train")
+
+    return model
 
 
 def _save_shard(model: Module, path: Path, tp_rank: int) -> None:
@@ -132,20 +160,34 @@ def _batches(vocab_size: int) -> list[tuple[Tensor, BatchLayout, Tensor, Tensor]
     return [padded, packed]
 
 
-def _run(model: TransformerLM, batches: list[tuple[Tensor, BatchLayout, Tensor, Tensor]]) -> tuple[list[Tensor], Tensor]:
-    """Returns the logits of every batch and the summed loss, after its
-    backward pass."""
+def _run(model: TransformerLM, batches: list[tuple[Tensor, BatchLayout, Tensor, Tensor]]) -> tuple[list[Tensor], Tensor, Tensor | None]:
+    """Returns the logits of every batch, the summed loss and the summed
+    loss of the MTP head (``None`` without one), after the backward pass of
+    the loss."""
     model.zero_grad()
 
     logits = []
 
     total = torch.zeros(())
 
+    mtp = find_mtp(model)
+
+    mtp_total = None if mtp is None else torch.zeros(())
+
     for seqs, layout, targets, target_mask in batches:
         with torch.no_grad():
             logits.append(model(seqs, layout))
 
         loss = model(seqs, layout, targets, target_mask=target_mask, reduction="sum")
+
+        if mtp is not None:
+            mtp_loss = mtp.pop_loss()
+
+            assert mtp_loss is not None and mtp_total is not None
+
+            loss = loss + MTP_LOSS_WEIGHT * mtp_loss.nll_loss
+
+            mtp_total = mtp_total + mtp_loss.nll_loss.detach()
 
         statistics = collect_moe_statistics(model)
 
@@ -156,7 +198,7 @@ def _run(model: TransformerLM, batches: list[tuple[Tensor, BatchLayout, Tensor, 
 
         total = total + loss.detach()
 
-    return logits, total
+    return logits, total, mtp_total
 
 
 def _gather_shards(tensors: dict[str, Tensor], shard_dims: dict[str, int], gangs: Gangs) -> dict[str, Tensor]:
@@ -229,7 +271,7 @@ def _reference_and_tp_model(config: Qwen35Config, tp_gangs: Gangs, single_gangs:
     torch.manual_seed(0)
 
     with set_gangs(single_gangs):
-        reference = _create(config).train()
+        reference = _install_mtp_loss(_create(config).train())
 
     with torch.no_grad():
         for param in reference.parameters():
@@ -240,7 +282,7 @@ def _reference_and_tp_model(config: Qwen35Config, tp_gangs: Gangs, single_gangs:
 
     tp_gangs.root.barrier()
 
-    return reference, _load(path, config, tp_gangs).train()
+    return reference, _install_mtp_loss(_load(path, config, tp_gangs).train())
 
 
 def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
@@ -248,14 +290,17 @@ def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: 
 
     batches = _batches(config.vocab_size)
 
-    expected_logits, expected_loss = _run(reference, batches)
+    expected_logits, expected_loss, expected_mtp_loss = _run(reference, batches)
 
-    logits, loss = _run(model, batches)
+    logits, loss, mtp_loss = _run(model, batches)
 
     result = {
         "max_logit_diff": max(_assert_close(a, e, "logits") for a, e in zip(logits, expected_logits)),
         "loss_diff": _assert_close(loss, expected_loss, "loss"),
     }
+
+    if mtp_loss is not None and expected_mtp_loss is not None:
+        result["mtp_loss_diff"] = _assert_close(mtp_loss, expected_mtp_loss, "MTP loss")
 
     expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
 
@@ -343,14 +388,17 @@ def _check_lora_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_ga
 
     batches = _batches(config.vocab_size)
 
-    expected_logits, expected_loss = _run(reference, batches)
+    expected_logits, expected_loss, expected_mtp_loss = _run(reference, batches)
 
-    logits, loss = _run(model, batches)
+    logits, loss, mtp_loss = _run(model, batches)
 
     result = {
         "max_logit_diff": max(_assert_close(a, e, "logits") for a, e in zip(logits, expected_logits)),
         "loss_diff": _assert_close(loss, expected_loss, "loss"),
     }
+
+    if mtp_loss is not None and expected_mtp_loss is not None:
+        result["mtp_loss_diff"] = _assert_close(mtp_loss, expected_mtp_loss, "MTP loss")
 
     expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
 

@@ -1,7 +1,7 @@
 """Tiny dense and MoE Qwen3.5 models under 2-way tensor parallelism (two CPU
 processes, gloo) give the logits, loss and gradients of the unsharded model,
-and their checkpoints load under either tensor parallel size; so do their
-LoRA adapters on every target."""
+with the loss of their MTP head, and their checkpoints load under either
+tensor parallel size; so do their LoRA adapters on every target."""
 
 from __future__ import annotations
 
