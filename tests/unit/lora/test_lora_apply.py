@@ -13,6 +13,7 @@ from qwen35_fs2.models.qwen35 import create_qwen35_model, tiny_qwen35_config
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
 from qwen35_fs2.nn.lora import ExpertLoraAdapter, LoraAdapter
+from qwen35_fs2.nn.moe import ExpertDispatch
 from tp_testing import create_on_meta, fake_tp_gangs
 
 
@@ -84,7 +85,8 @@ class TestApplyLora:
 
         assert not experts.output_proj.requires_grad
 
-    def test_expert_adapters_update_each_experts_weight(self) -> None:
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_expert_adapters_update_each_experts_weight(self, dispatch: ExpertDispatch) -> None:
         torch.manual_seed(0)
 
         config = tiny_qwen35_moe_config()
@@ -95,7 +97,11 @@ class TestApplyLora:
 
         adapter = apply_lora(model, lora_config, config)["decoder.layers.0.ffn.experts.gate_inner_proj"]
 
+        assert isinstance(adapter, ExpertLoraAdapter)
+
         experts = model.decoder.layers[0].ffn.experts  # type: ignore[index, union-attr]
+
+        experts.dispatch = dispatch
 
         torch.nn.init.normal_(adapter.b)
 
@@ -105,19 +111,33 @@ class TestApplyLora:
 
         tokens_per_expert[1], tokens_per_expert[-1] = 2, 3
 
+        output = experts(seqs, tokens_per_expert)
+
+        grad_output = torch.randn_like(output)
+
+        grad_a, grad_b = torch.autograd.grad(output, (adapter.a, adapter.b), grad_output)
+
         expected = []
 
-        # Expert by expert, with its own adapted weight.
+        # Expert by expert, with its own adapted weight, through autograd.
         for expert_idx, rows in ((1, seqs[:2]), (experts.num_experts - 1, seqs[2:])):
-            a, b = adapter.a[expert_idx].detach(), adapter.b[expert_idx].detach()
+            weight = experts.gate_inner_proj[expert_idx] + 1.5 * adapter.b[expert_idx] @ adapter.a[expert_idx]
 
-            gate_inner = rows @ (experts.gate_inner_proj[expert_idx].detach() + 1.5 * b @ a).T
+            gate, inner = (rows @ weight.T).chunk(2, dim=-1)
 
-            gate, inner = gate_inner.chunk(2, dim=-1)
+            expected.append((torch.nn.functional.silu(gate) * inner) @ experts.output_proj[expert_idx].T)
 
-            expected.append((torch.nn.functional.silu(gate) * inner) @ experts.output_proj[expert_idx].detach().T)
+        expected_output = torch.cat(expected)
 
-        torch.testing.assert_close(experts(seqs, tokens_per_expert), torch.cat(expected))
+        expected_grad_a, expected_grad_b = torch.autograd.grad(expected_output, (adapter.a, adapter.b), grad_output)
+
+        torch.testing.assert_close(output, expected_output)
+
+        torch.testing.assert_close(grad_a, expected_grad_a)
+        torch.testing.assert_close(grad_b, expected_grad_b)
+
+        # Experts without tokens get no gradient.
+        assert torch.count_nonzero(grad_b[0]) == 0
 
     def test_raises_error_when_experts_are_tensor_parallel(self) -> None:
         config = tiny_qwen35_moe_config()
