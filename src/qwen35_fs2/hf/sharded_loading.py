@@ -82,7 +82,7 @@ from qwen35_fs2.models.qwen35.factory import create_qwen35_model
 from qwen35_fs2.models.qwen35.interop import find_output_weight_keys, tied_output_weights_error
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
-from qwen35_fs2.nn.lora import LoraAdapter, reset_lora_adapters
+from qwen35_fs2.nn.lora import is_lora_module, reset_lora_adapters
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 
@@ -139,7 +139,7 @@ def load_hf_checkpoint_shards(
     shard_dims = {_clean_name(name): dim for name, dim in get_shard_dims(model).items()}
 
     # LoRA adapters are no part of a base checkpoint.
-    adapter_params = {id(p) for m in model.modules() if isinstance(m, LoraAdapter) for p in m.parameters()}
+    adapter_params = {id(p) for m in model.modules() if is_lora_module(m) for p in m.parameters()}
 
     params = {_clean_name(name): param for name, param in model.named_parameters() if id(param) not in adapter_params}
 

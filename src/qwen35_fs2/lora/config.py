@@ -17,8 +17,12 @@ LORA_TARGET_MODULES: Final = (
     "gate_proj", "up_proj", "down_proj",
 )  # fmt: skip
 
-# Names of the routed experts, which transformers stores as fused 3-D
-# parameters (PEFT targets them with `target_parameters`, not modules).
+# The stacked weights of the routed experts that an adapter can be put on,
+# as PEFT's `target_parameters` names them: transformers stores the experts
+# as fused 3-D parameters, not modules.
+LORA_TARGET_PARAMETERS: Final = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+# Names of the routed experts that `target_modules` cannot select.
 _ROUTED_EXPERT_NAMES: Final = ("experts", "gate_up_proj")
 
 
@@ -32,6 +36,15 @@ class LoraConfig:
     ``in_proj_b``, ``in_proj_a``, ``out_proj`` (Gated DeltaNet),
     ``gate_proj``, ``up_proj``, ``down_proj`` (the MLP, and the shared
     expert of MoE layers). The default is all of them.
+    """
+
+    target_parameters: list[str] = field(default_factory=list)
+    """
+    The stacked weights of the routed experts (MoE models) that get one
+    adapter per expert, by their Hugging Face parameter names (PEFT's
+    ``target_parameters``): ``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``, or both. Needs ``dropout_p`` 0, as in PEFT,
+    and a tensor parallel size of 1. The default is none.
     """
 
     r: int = 16
@@ -64,8 +77,8 @@ class LoraConfig:
         for name in self.target_modules:
             if name in _ROUTED_EXPERT_NAMES:
                 result.add_error(
-                    f"`target_modules` must not name the routed experts (`{name}`): LoRA on routed experts is not supported yet. "
-                    "Put adapters on the shared expert (`gate_proj`, `up_proj`, `down_proj`) and the mixers instead."
+                    f"`target_modules` must not name the routed experts (`{name}`), which are no modules in transformers. "
+                    f"Name their stacked weights in `target_parameters` instead ({', '.join(LORA_TARGET_PARAMETERS)})."
                 )
             elif name not in LORA_TARGET_MODULES:
                 result.add_error(
@@ -74,5 +87,20 @@ class LoraConfig:
 
         if len(set(self.target_modules)) != len(self.target_modules):
             result.add_error(f"`target_modules` must not repeat a name, but is {self.target_modules} instead.")
+
+        for name in self.target_parameters:
+            if name not in LORA_TARGET_PARAMETERS:
+                result.add_error(
+                    f"`target_parameters` must hold Hugging Face names of routed expert weights ({', '.join(LORA_TARGET_PARAMETERS)}), but holds `{name}` instead."
+                )
+
+        if len(set(self.target_parameters)) != len(self.target_parameters):
+            result.add_error(f"`target_parameters` must not repeat a name, but is {self.target_parameters} instead.")
+
+        if self.target_parameters and self.dropout_p != 0.0:
+            result.add_error(
+                f"`dropout_p` must be 0 when `target_parameters` is set, but is {self.dropout_p} instead: "
+                "the adapters of routed experts update their weights, which has no input to drop, as in PEFT."
+            )
 
         return result

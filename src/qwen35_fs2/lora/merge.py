@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 from torch.nn import Module
 
-from qwen35_fs2.nn.lora import LoraAdapter, check_lora_adapters_unsharded
+from qwen35_fs2.nn.lora import ExpertLoraAdapter, check_lora_adapters_unsharded, is_lora_module
 
 
 def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
@@ -15,7 +15,8 @@ def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
     state dict of the model without adapters that computes what ``model``
     does (less dropout).
 
-    A merged weight is ``W + (B A) · scaling`` computed in float32 and stays
+    A merged weight is ``W + (B A) · scaling`` (per expert for the stacked
+    weights of routed experts) computed in float32 and stays
     float32, whatever the dtype of ``W``, ``A`` and ``B``: cast to an export
     dtype, it is the float32 merge rounded once, not the sum of two rounded
     terms. The other tensors keep their dtype.
@@ -25,7 +26,7 @@ def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
     """
     check_lora_adapters_unsharded(model)
 
-    adapters = {name: module for name, module in model.named_modules() if isinstance(module, LoraAdapter)}
+    adapters = {name: module for name, module in model.named_modules() if is_lora_module(module)}
 
     if not adapters:
         raise ValueError("`model` must have LoRA adapters, but has none. Call `apply_lora()` first.")
@@ -36,9 +37,17 @@ def merge_lora_state_dict(model: Module) -> dict[str, Tensor]:
 
     with torch.no_grad():
         for name, adapter in adapters.items():
-            key = name.removesuffix("lora") + "weight"
+            if isinstance(adapter, ExpertLoraAdapter):
+                # `experts.lora.{weight name}` adapts `experts.{weight name}`.
+                experts_name, _, weight_name = name.rpartition(".lora.")
 
-            update = adapter.b_proj.weight.float() @ adapter.a_proj.weight.float()
+                key = f"{experts_name}.{weight_name}"
+
+                update = torch.bmm(adapter.b.float(), adapter.a.float())
+            else:
+                key = name.removesuffix("lora") + "weight"
+
+                update = adapter.b_proj.weight.float() @ adapter.a_proj.weight.float()
 
             state_dict[key] = state_dict[key].float() + update * adapter.scaling
 

@@ -15,9 +15,10 @@ from fairseq2.utils.validation import StandardObjectValidator
 
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.export.writer import check_output_dir
+from qwen35_fs2.lora.apply import hg_expert_weight_name
 from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.nn.lora import LoraAdapter, check_lora_adapters_unsharded
+from qwen35_fs2.nn.lora import ExpertLoraAdapter, LoraAdapter, check_lora_adapters_unsharded
 
 PEFT_CONFIG_NAME: Final = "adapter_config.json"
 
@@ -42,7 +43,8 @@ def save_peft_adapter(
     (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``).
 
     Each adapter's ``A`` and ``B`` are written under the Hugging Face name of
-    its projection, in their dtype; ``B``'s rows are put in the transformers
+    its projection (or of its experts, :func:`_expert_adapter_tensors`), in
+    their dtype; ``B``'s rows are put in the transformers
     order by the checkpoint converter that orders the projection's weight
     (the Gated DeltaNet ``in_proj_qkv`` rows are grouped by key head in our
     model), so the transformers model with the adapter computes what ours
@@ -65,6 +67,11 @@ def save_peft_adapter(
     tensors: dict[str, Tensor] = {}
 
     for name, module in model.named_modules():
+        if isinstance(module, ExpertLoraAdapter):
+            tensors.update(_expert_adapter_tensors(name, module, config, model_config))
+
+            continue
+
         if not isinstance(module, LoraAdapter):
             continue
 
@@ -87,6 +94,7 @@ def save_peft_adapter(
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": base_model_name_or_path,
         "target_modules": sorted(config.target_modules),
+        "target_parameters": sorted(config.target_parameters),
         "r": config.r,
         "lora_alpha": config.alpha,
         "lora_dropout": config.dropout_p,
@@ -104,3 +112,44 @@ def save_peft_adapter(
     save_file(tensors, out_dir / PEFT_WEIGHTS_NAME, metadata={"format": "pt"})
 
     (out_dir / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
+
+
+def _expert_adapter_tensors(
+    name: str, adapter: ExpertLoraAdapter, config: LoraConfig, model_config: Qwen35Config
+) -> dict[str, Tensor]:
+    """Returns the tensors of the adapter ``name`` of a stacked expert weight
+    as PEFT's ``target_parameters`` adapter of that weight stores them.
+
+    PEFT stacks the experts' ``A_e`` :math:`(r, I)` along the rows of one
+    ``lora_A`` :math:`(E r, I)`, expert by expert, and their ``B_e``
+    :math:`(O, r)` along the columns of one ``lora_B`` :math:`(O, r E)`,
+    with the expert index varying fastest. Its adapter sits on the experts
+    module; where both of its weights are adapted, PEFT nests the second
+    weight's adapter around the first's, in the order transformers
+    registers them (``gate_up_proj``, then ``down_proj``), so the
+    ``gate_up_proj`` adapter's keys are under ``base_layer``.
+    """
+    experts_name, _, weight_name = name.rpartition(".lora.")
+
+    hg_name = hg_expert_weight_name(f"{experts_name}.{weight_name}", adapter.a, model_config)
+
+    hg_experts_name, _, hg_weight_name = hg_name.rpartition(".")
+
+    prefix = _PEFT_KEY_PREFIX + hg_experts_name
+
+    if hg_weight_name == "gate_up_proj" and len(config.target_parameters) == 2:
+        prefix = f"{prefix}.base_layer"
+
+    a = adapter.a.detach()
+    b = adapter.b.detach()
+
+    num_experts, output_dim, rank = b.shape
+
+    # (E, r, I) -> (E r, I); (E, O, r) -> (O, r, E) -> (O, r E)
+    lora_a = a.reshape(num_experts * rank, -1)
+    lora_b = b.permute(1, 2, 0).reshape(output_dim, rank * num_experts)
+
+    return {
+        f"{prefix}.lora_A.weight": lora_a.cpu().contiguous(),
+        f"{prefix}.lora_B.weight": lora_b.cpu().contiguous(),
+    }

@@ -9,7 +9,7 @@ from typing import Literal, TypeAlias, final
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn import Dropout, Module, Parameter
+from torch.nn import Dropout, Module, ModuleDict, Parameter
 from torch.nn.functional import linear
 from typing_extensions import override
 
@@ -19,6 +19,7 @@ from fairseq2.nn import ColumnShardedLinear, Linear, Projection, RowShardedLinea
 from fairseq2.nn.sharded import Sharded
 from fairseq2.ops.tensor_parallel import gather, reduce, reduce_on_backward
 
+from qwen35_fs2.nn.moe.experts import RoutedExperts
 from qwen35_fs2.nn.tp import check_tp_divisible, sum_gradient_over_tp
 
 LoraTpSplit: TypeAlias = Literal["output", "input"]
@@ -225,6 +226,114 @@ def _init_b(proj: Linear) -> None:
     torch.nn.init.zeros_(proj.weight)
 
 
+@final
+class ExpertLoraAdapter(Module):
+    """The low-rank updates ``scaling · B_e A_e`` of a stacked expert weight
+    ``W`` :math:`(E, O, I)`, one per expert, as PEFT's ``target_parameters``
+    puts them on the fused experts of transformers.
+
+    ``A`` :math:`(E, r, I)` starts uniform in ``±1/sqrt(I)`` and ``B``
+    :math:`(E, O, r)` at zero, PEFT's initialisation, so a new adapter leaves
+    the experts' output unchanged.
+
+    The adapter updates the weight, not the output (:meth:`forward` returns
+    ``W + scaling · B A``): the experts then run on adapted weights through
+    any of their dispatch paths, as transformers' experts run under PEFT.
+    That costs one extra weight-sized tensor per projection and forward
+    pass; an update computed per group of routed tokens would not, but would
+    need each dispatch path to compute it. For the same reason there is no
+    dropout on the input (PEFT refuses it too).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        input_dim: int,
+        output_dim: int,
+        *,
+        rank: int,
+        alpha: float,
+        rslora: bool,
+        device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+
+        if rank <= 0:
+            raise ValueError(f"`rank` must be greater than 0, but is {rank} instead.")
+
+        self.rank = rank
+
+        self.scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+
+        self.a = Parameter(torch.empty((num_experts, rank, input_dim), device=device, dtype=dtype))
+        self.b = Parameter(torch.empty((num_experts, output_dim, rank), device=device, dtype=dtype))
+
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        bound = 1.0 / math.sqrt(self.a.size(-1))
+
+        torch.nn.init.uniform_(self.a, -bound, bound)
+
+        torch.nn.init.zeros_(self.b)
+
+    def forward(self, weight: Tensor) -> Tensor:
+        """Returns ``weight`` plus the update, in the adapter's dtype."""
+        return torch.baddbmm(weight.to(self.a.dtype), self.b, self.a, alpha=self.scaling)
+
+    def extra_repr(self) -> str:
+        """:meta private:"""
+        return f"rank={self.rank}, scaling={self.scaling}"
+
+
+def add_expert_lora_adapter(
+    experts: RoutedExperts,
+    weight_name: Literal["gate_inner_proj", "output_proj"],
+    *,
+    rank: int,
+    alpha: float,
+    rslora: bool,
+) -> ExpertLoraAdapter:
+    """Adds an :class:`ExpertLoraAdapter` on the stacked weight
+    ``weight_name`` of ``experts``, as ``experts.lora[weight_name]``: its
+    parameters are new keys ending in ``.lora.{weight_name}.a`` and ``.b``,
+    created in the dtype and on the device of the weight.
+
+    :raises NotSupportedError: if ``experts`` is split over tensor-parallel
+        ranks.
+    """
+    if experts.num_local_experts != experts.num_experts:
+        raise NotSupportedError(
+            f"LoRA adapters on routed experts need the experts unsharded (a tensor parallel size of 1), but `experts` holds {experts.num_local_experts} of {experts.num_experts} experts instead. "
+            "Put adapters on the shared expert and the mixers only (`target_parameters: []`), or train with a tensor parallel size of 1."
+        )
+
+    if experts.lora is None:
+        experts.lora = ModuleDict()
+
+    if weight_name in experts.lora:
+        raise ValueError(f"`experts.{weight_name}` must not have a LoRA adapter yet, but has one instead.")
+
+    weight = getattr(experts, weight_name)
+
+    num_experts, output_dim, input_dim = weight.shape
+
+    adapter = ExpertLoraAdapter(
+        num_experts, input_dim, output_dim, rank=rank, alpha=alpha, rslora=rslora, device=weight.device, dtype=weight.dtype
+    )
+
+    experts.lora[weight_name] = adapter
+
+    return adapter
+
+
+def is_lora_module(module: Module) -> bool:
+    """Whether ``module`` is a LoRA adapter: of a projection or of a stacked
+    expert weight."""
+    return isinstance(module, (LoraAdapter, ExpertLoraAdapter))
+
+
 def reset_lora_adapters(model: Module) -> None:
     """Initializes the adapters of ``model`` as new ones (``A``
     Kaiming-uniform, ``B`` zero), also where FSDP2 shards them.
@@ -238,6 +347,16 @@ def reset_lora_adapters(model: Module) -> None:
     """
     with torch.no_grad():
         for adapter in model.modules():
+            if isinstance(adapter, ExpertLoraAdapter):
+                if isinstance(adapter.a, DTensor):
+                    raise NotSupportedError(
+                        "LoRA adapters on routed experts cannot be sharded by FSDP yet. Put adapters on the shared expert and the mixers only (`target_parameters: []`)."
+                    )
+
+                adapter.reset_parameters()
+
+                continue
+
             if not isinstance(adapter, LoraAdapter):
                 continue
 

@@ -16,7 +16,14 @@ from hf_reference.fixtures import TinyModelCache
 from hf_reference.tensors import random_padded_batch
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf
 from qwen35_fs2.hf.config import load_hf_config
-from qwen35_fs2.lora import LORA_TARGET_MODULES, LoraConfig, apply_lora, save_peft_adapter
+from qwen35_fs2.lora import (
+    LORA_TARGET_MODULES,
+    LORA_TARGET_PARAMETERS,
+    LoraConfig,
+    apply_lora,
+    lora_parameters,
+    save_peft_adapter,
+)
 
 _SEQ_LENS = [1, 37, 70]
 
@@ -49,8 +56,19 @@ _SPECS = {
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "rslora"), [("dense", False), ("dense", True), ("moe", False)])
-def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_tiny_models: TinyModelCache, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("name", "rslora", "target_parameters"),
+    [
+        ("dense", False, []),
+        ("dense", True, []),
+        # Both expert weights: PEFT nests their adapters on the experts module.
+        ("moe", False, list(LORA_TARGET_PARAMETERS)),
+        ("moe", True, ["mlp.experts.gate_up_proj"]),
+    ],
+)
+def test_exported_adapter_gives_our_logits_in_peft(
+    name: str, rslora: bool, target_parameters: list[str], hf_tiny_models: TinyModelCache, tmp_path: Path
+) -> None:
     spec = _SPECS[name]
 
     model_dir = hf_tiny_models.get(spec)
@@ -59,17 +77,18 @@ def test_exported_adapter_gives_our_logits_in_peft(name: str, rslora: bool, hf_t
 
     model = load_hf_model(model_dir, dtype=torch.float32).eval()
 
-    lora_config = LoraConfig(target_modules=list(LORA_TARGET_MODULES), r=4, alpha=8.0, rslora=rslora)
+    lora_config = LoraConfig(
+        target_modules=list(LORA_TARGET_MODULES), target_parameters=target_parameters, r=4, alpha=8.0, rslora=rslora
+    )
 
-    adapters = apply_lora(model, lora_config, model_config)
+    apply_lora(model, lora_config, model_config)
 
     # B starts at zero; random B (and A) make every adapter count.
     generator = torch.Generator().manual_seed(1)
 
     with torch.no_grad():
-        for adapter in adapters.values():
-            for proj in (adapter.a_proj, adapter.b_proj):
-                proj.weight.copy_(0.1 * torch.randn(proj.weight.shape, generator=generator))
+        for param in lora_parameters(model):
+            param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
     adapter_dir = tmp_path / "adapter"
 

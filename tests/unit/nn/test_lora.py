@@ -11,7 +11,7 @@ from fairseq2.nn import Linear, get_shard_dims
 
 from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
-from qwen35_fs2.nn.lora import LoraAdapter, add_lora_adapter, reset_lora_adapters
+from qwen35_fs2.nn.lora import ExpertLoraAdapter, LoraAdapter, add_lora_adapter, reset_lora_adapters
 from tp_testing import create_on_meta, fake_tp_gangs
 
 
@@ -212,3 +212,39 @@ class TestTensorParallelProjections:
         assert proj.lora is adapter
 
         assert adapter.b_proj.weight.shape == (proj.output_dim, 4)
+
+
+class TestExpertLoraAdapter:
+    def test_new_adapter_leaves_weight_unchanged_and_a_is_uniform(self) -> None:
+        torch.manual_seed(0)
+
+        adapter = ExpertLoraAdapter(4, 64, 16, rank=8, alpha=16.0, rslora=False)
+
+        weight = torch.randn(4, 16, 64)
+
+        assert torch.equal(adapter(weight), weight)
+
+        assert torch.count_nonzero(adapter.b) == 0
+
+        # PEFT's A: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), for every expert.
+        bound = 1 / math.sqrt(64)
+
+        assert adapter.a.abs().max() <= bound
+        assert adapter.a.abs().amax(dim=(1, 2)).min() > 0.9 * bound
+
+    def test_reset_lora_adapters_makes_allocated_expert_adapters_new_ones(self) -> None:
+        # What sharded loading leaves: adapters allocated, not initialized.
+        model = torch.nn.ModuleDict({"experts": ExpertLoraAdapter(4, 64, 16, rank=8, alpha=16.0, rslora=True)})
+
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float("nan"))
+
+        reset_lora_adapters(model)
+
+        adapter = model["experts"]
+
+        assert torch.count_nonzero(adapter.b) == 0
+
+        assert adapter.a.abs().max() <= 1 / math.sqrt(64)
+        assert adapter.a.abs().max() > 0.5 / math.sqrt(64)

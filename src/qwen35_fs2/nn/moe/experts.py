@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
-from torch.nn import Module, Parameter
+from torch.nn import Module, ModuleDict, Parameter
 from typing_extensions import override
 
 from fairseq2.data_type import DataType
@@ -55,6 +55,10 @@ class RoutedExperts(Module, Sharded):
     Under tensor parallelism each rank holds ``E / tp_size`` consecutive
     experts, from :attr:`first_local_expert` on (the parameters then have
     :attr:`num_local_experts` rows), and runs only those.
+
+    LoRA adapters on the stacked weights (:attr:`lora`, by weight name, put
+    by :func:`~qwen35_fs2.nn.lora.add_expert_lora_adapter`) update them
+    before they are used.
     """
 
     def __init__(
@@ -99,6 +103,10 @@ class RoutedExperts(Module, Sharded):
             torch.empty((self.num_local_experts, model_dim, inner_dim), device=device, dtype=dtype)
         )
 
+        self.lora: ModuleDict | None
+
+        self.register_module("lora", None)
+
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -136,12 +144,22 @@ class RoutedExperts(Module, Sharded):
 
         output: Tensor = function.apply(  # type: ignore[no-untyped-call]
             seqs.to(dtype),
-            self.gate_inner_proj.to(dtype),
-            self.output_proj.to(dtype),
+            self._weight("gate_inner_proj").to(dtype),
+            self._weight("output_proj").to(dtype),
             group_sizes,
         )
 
         return output
+
+    def _weight(self, name: str) -> Tensor:
+        """Returns the stacked weight ``name``, updated by its LoRA adapter
+        if it has one."""
+        weight: Tensor = getattr(self, name)
+
+        if self.lora is not None and name in self.lora:
+            weight = self.lora[name](weight)
+
+        return weight
 
     def _use_grouped_mm(self, seqs: Tensor) -> bool:
         if self.dispatch in ("batched", "loop"):
@@ -202,8 +220,8 @@ class RoutedExperts(Module, Sharded):
         # Group ends; stays on the device, so no host synchronization.
         offsets = tokens_per_expert.cumsum(0, dtype=torch.int32)
 
-        gate_inner_proj = self.gate_inner_proj.to(dtype).transpose(-2, -1)
-        output_proj = self.output_proj.to(dtype).transpose(-2, -1)
+        gate_inner_proj = self._weight("gate_inner_proj").to(dtype).transpose(-2, -1)
+        output_proj = self._weight("output_proj").to(dtype).transpose(-2, -1)
 
         # (T_r, M) @ (E, M, 2I) -> (T_r, 2I)
         gate_inner = torch._grouped_mm(seqs.to(dtype), gate_inner_proj, offs=offsets)
