@@ -272,9 +272,7 @@ class ExpertLoraAdapter(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.a.size(-1))
-
-        torch.nn.init.uniform_(self.a, -bound, bound)
+        _init_expert_a(self.a)
 
         torch.nn.init.zeros_(self.b)
 
@@ -285,6 +283,13 @@ class ExpertLoraAdapter(Module):
     def extra_repr(self) -> str:
         """:meta private:"""
         return f"rank={self.rank}, scaling={self.scaling}"
+
+
+def _init_expert_a(a: Tensor) -> None:
+    # U(-1/sqrt(I), 1/sqrt(I)), PEFT's default for A.
+    bound = 1.0 / math.sqrt(a.size(-1))
+
+    torch.nn.init.uniform_(a, -bound, bound)
 
 
 def add_expert_lora_adapter(
@@ -343,17 +348,27 @@ def reset_lora_adapters(model: Module) -> None:
     each rank's rows with the same seed on every rank would repeat the same
     rows in every shard, an adapter of lower rank. Under tensor parallelism
     "whole" is the rank's tensor-parallel shard, itself cut from an ``A``
-    drawn whole (:class:`LoraAdapter`).
+    drawn whole (:class:`LoraAdapter`). The adapters of routed experts
+    (:class:`ExpertLoraAdapter`) are drawn whole likewise, so FSDP2 ranks
+    get the shards of the unsharded adapters drawn from the same seed; they
+    are in the FSDP unit of their experts, gathered with the weights that
+    they update.
     """
     with torch.no_grad():
         for adapter in model.modules():
             if isinstance(adapter, ExpertLoraAdapter):
-                if isinstance(adapter.a, DTensor):
-                    raise NotSupportedError(
-                        "LoRA adapters on routed experts cannot be sharded by FSDP yet. Put adapters on the shared expert and the mixers only (`target_parameters: []`)."
-                    )
+                if not isinstance(adapter.a, DTensor):
+                    adapter.reset_parameters()
 
-                adapter.reset_parameters()
+                    continue
+
+                a = torch.empty(adapter.a.shape, device=adapter.a.to_local().device, dtype=adapter.a.dtype)
+
+                _init_expert_a(a)
+
+                _copy_shard(a, adapter.a)
+
+                torch.nn.init.zeros_(adapter.b.to_local())
 
                 continue
 
@@ -370,9 +385,12 @@ def reset_lora_adapters(model: Module) -> None:
 
                 full = Linear(weight.size(1), weight.size(0), bias=False, init_fn=proj.init_fn, device=weight.to_local().device, dtype=weight.dtype)
 
-                sharded = distribute_tensor(full.weight.detach(), weight.device_mesh, weight.placements)
+                _copy_shard(full.weight.detach(), weight)
 
-                weight.to_local().copy_(sharded.to_local())
+
+def _copy_shard(full: Tensor, param: DTensor) -> None:
+    """Copies into ``param`` its shard of ``full``, scattered from rank 0."""
+    param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
 
 
 def check_lora_adapters_unsharded(model: Module) -> None:

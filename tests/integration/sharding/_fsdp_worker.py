@@ -12,11 +12,19 @@ checkpoint. Then:
   its forward pass, and the embedding and the final norm are in the root;
 - the full state dict gathered from the shards is the reference's, bit for
   bit;
-- each rank runs half of a batch: the gathered gradients are those of the
-  reference on the whole batch.
+- each rank runs half of a batch: the losses summed over the ranks and the
+  gathered gradients are those of the reference on the whole batch.
 
-Writes ``{case: {"layer_fractions": [...], "max_grad_diff": ...}}`` to
-``--output-dir/result.json`` (rank 0).
+The MoE model has LoRA adapters on every projection and on both stacked
+expert weights, put as the recipes put them: on the meta model before it is
+sharded, initialized after its shards are read. From the same seed they are
+the reference's, bit for bit (``A`` random, ``B`` zero). Moved away from
+zero, the same in both models, they change the loss and get gradients; the
+base is trained too, so that its gradients through the adapted experts are
+checked as well.
+
+Writes ``{case: {"layer_fractions": [...], "max_grad_diff": ..., "loss_diff":
+..., "expert_adapter_grads": ...}}`` to ``--output-dir/result.json`` (rank 0).
 
 A last case wraps a model with fairseq2's own ``to_fsdp2`` under static bf16
 mixed precision, as the recipes do, and records the dtypes that the Gated
@@ -34,33 +42,43 @@ import torch
 from sharding_testing import CPU, create_reference_model, save_hf_checkpoint
 from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn import Module
 
-from fairseq2.gang import Gangs, ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs
+from fairseq2.gang import Gangs, ProcessGroupGang, ReduceOperation, create_fsdp_gangs, create_parallel_gangs, set_gangs
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 from fairseq2.nn.fsdp import FSDPWrapper, to_fsdp2
 
+from qwen35_fs2.lora import LORA_TARGET_PARAMETERS, LoraConfig, apply_lora
+from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.nn import collect_moe_statistics
+from qwen35_fs2.nn.lora import ExpertLoraAdapter, reset_lora_adapters
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet, GatedDeltaNetDecay
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 from qwen35_fs2.hf.sharded_loading import (
+    allocate_shards,
     create_sharded_qwen35_model,
     load_hf_checkpoint_shards,
 )
 
 TOLERANCE = 1e-5
 
+# Rank 4 and a scaling of 2 on every projection and both stacked expert
+# weights.
+_LORA = LoraConfig(r=4, alpha=8.0, target_parameters=list(LORA_TARGET_PARAMETERS))
 
-def _cases() -> dict[str, tuple[Qwen35Config, str]]:
+_LORA_SEED = 5
+
+
+def _cases() -> dict[str, tuple[Qwen35Config, str, LoraConfig | None]]:
     return {
-        "dense_layer": (tiny_qwen35_config(), "layer"),
-        "moe_layer": (tiny_qwen35_moe_config(), "layer"),
-        "dense_stack": (tiny_qwen35_config(), "stack"),
-        "dense_model": (tiny_qwen35_config(), "model"),
+        "dense_layer": (tiny_qwen35_config(), "layer", None),
+        "moe_layer": (tiny_qwen35_moe_config(), "layer", _LORA),
+        "dense_stack": (tiny_qwen35_config(), "stack", None),
+        "dense_model": (tiny_qwen35_config(), "model", None),
     }
 
 
@@ -133,7 +151,48 @@ def _check_units(model: TransformerLM, granularity: str) -> None:
         assert model.decoder.layer_norm in root_modules
 
 
-def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs, output_dir: Path) -> dict[str, object]:
+def _create_sharded_lora_model(config: Qwen35Config, lora: LoraConfig, granularity: str, gangs: Gangs, path: Path) -> TransformerLM:
+    """As the LoRA recipes build it: adapters on the meta model, sharded and
+    allocated with it, the base read into its shards, then the adapters
+    initialized."""
+    with torch.device("meta"), set_gangs(gangs, meta=True):
+        model = create_qwen35_moe_model(config)
+
+    apply_lora(model, lora, config)
+
+    allocate_shards(model, gangs, fsdp_granularity=granularity)
+
+    load_hf_checkpoint_shards(model, path, config, gangs)
+
+    torch.manual_seed(_LORA_SEED)
+
+    reset_lora_adapters(model)
+
+    return model
+
+
+def _move_adapters(reference: Module, model: Module) -> None:
+    """Adds the same noise to the adapters of both models, so that they
+    change the loss (``B`` is no longer zero) and ``A`` gets gradients."""
+    generator = torch.Generator().manual_seed(4)
+
+    params = dict(model.named_parameters())
+
+    with torch.no_grad():
+        for name, expected in reference.named_parameters():
+            if not expected.requires_grad:
+                continue
+
+            expected.add_(torch.randn(expected.shape, generator=generator) * 0.05)
+
+            param = params[name]
+
+            assert isinstance(param, DTensor), name
+
+            param.to_local().copy_(distribute_tensor(expected.detach(), param.device_mesh, param.placements).to_local())
+
+
+def _check_case(name: str, config: Qwen35Config, granularity: str, lora: LoraConfig | None, gangs: Gangs, output_dir: Path) -> dict[str, object]:
     rank = gangs.root.rank
 
     reference = create_reference_model(config).train()
@@ -145,9 +204,19 @@ def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs,
 
     gangs.root.barrier()
 
-    model = create_sharded_qwen35_model(config, gangs, fsdp_granularity=granularity)
+    if lora is None:
+        model = create_sharded_qwen35_model(config, gangs, fsdp_granularity=granularity)
 
-    load_hf_checkpoint_shards(model, path, config, gangs)
+        load_hf_checkpoint_shards(model, path, config, gangs)
+    else:
+        model = _create_sharded_lora_model(config, lora, granularity, gangs, path)
+
+        # New adapters of the unsharded model from the same seed.
+        apply_lora(reference, lora, config)
+
+        torch.manual_seed(_LORA_SEED)
+
+        reset_lora_adapters(reference)
 
     model.train()
 
@@ -163,19 +232,46 @@ def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs,
     for key, value in expected_state_dict.items():
         assert torch.equal(state_dict[key], value), key
 
+    if lora is not None:
+        _move_adapters(reference, model)
+
+        # The base, which `apply_lora` froze, trains too.
+        for param in [*reference.parameters(), *model.parameters()]:
+            param.requires_grad_(True)
+
     # Gradients: each rank runs its share; FSDP averages, the reference sums.
     shares = _shares(config.vocab_size)
 
+    expected_loss = 0.0
+
     for seqs, seq_lens in shares:
-        torch.autograd.backward(_loss(reference, seqs, seq_lens))
+        loss = _loss(reference, seqs, seq_lens)
+
+        torch.autograd.backward(loss)
+
+        expected_loss += loss.item()
 
     seqs, seq_lens = shares[rank]
 
-    torch.autograd.backward(_loss(model, seqs, seq_lens) * gangs.dp.size)
+    loss = _loss(model, seqs, seq_lens)
+
+    torch.autograd.backward(loss * gangs.dp.size)
+
+    total_loss = loss.detach().clone()
+
+    gangs.dp.all_reduce(total_loss, ReduceOperation.SUM)
+
+    loss_diff = abs(total_loss.item() - expected_loss) / max(1.0, abs(expected_loss))
+
+    assert loss_diff <= TOLERANCE, f"loss: {total_loss.item()} != {expected_loss}"
 
     max_grad_diff = 0.0
 
     expected_params = dict(reference.named_parameters())
+
+    expert_adapters = {n for n, m in model.named_modules() if isinstance(m, ExpertLoraAdapter)}
+
+    expert_adapter_grads = 0
 
     for param_name, param in model.named_parameters():
         expected = expected_params[param_name]
@@ -192,7 +288,18 @@ def _check_case(name: str, config: Qwen35Config, granularity: str, gangs: Gangs,
 
         max_grad_diff = max(max_grad_diff, diff)
 
-    return {"layer_fractions": _layer_fractions(model), "max_grad_diff": max_grad_diff}
+        if param_name.rsplit(".", 1)[0] in expert_adapters:
+            # The gradient of ``A`` is zero unless ``B`` is not.
+            assert expected.grad.abs().max() > 0, param_name
+
+            expert_adapter_grads += 1
+
+    return {
+        "layer_fractions": _layer_fractions(model),
+        "max_grad_diff": max_grad_diff,
+        "loss_diff": loss_diff,
+        "expert_adapter_grads": expert_adapter_grads,
+    }
 
 
 def _check_mixed_precision(gangs: Gangs) -> dict[str, object]:
@@ -275,7 +382,7 @@ def main() -> None:
 
     gangs = create_fsdp_gangs(create_parallel_gangs(root_gang))
 
-    results = {name: _check_case(name, config, granularity, gangs, args.output_dir) for name, (config, granularity) in _cases().items()}
+    results = {name: _check_case(name, config, granularity, lora, gangs, args.output_dir) for name, (config, granularity, lora) in _cases().items()}
 
     results["mixed_precision"] = _check_mixed_precision(gangs)
 

@@ -1,7 +1,10 @@
 """Tiny dense and MoE Qwen3.5 models loaded straight into FSDP2 shards over
 two CPU processes (gloo): one unit per decoder layer holding about half of
 its parameters on each rank, a gathered state dict equal to the unsharded
-model, and the unsharded model's gradients; at every granularity."""
+model, and the unsharded model's loss and gradients; at every granularity.
+The MoE model carries LoRA adapters on its projections and routed experts:
+it gets the unsharded model's new adapters from the same seed, and their
+gradients."""
 
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ def test_fsdp2_shards_every_layer_and_matches_the_unsharded_model(tmp_path: Path
     mixed_precision = result.pop("mixed_precision")
 
     assert set(result) == {"dense_layer", "moe_layer", "dense_stack", "dense_model"}
+
+    # `A` and `B` of both stacked expert weights in each of the 4 layers.
+    assert result["moe_layer"]["expert_adapter_grads"] == 16
 
     # Static bf16 through fairseq2's wrapper: `A_log` and `dt_bias` are
     # gathered, differentiated and reduced in fp32 (the log decay too), the
