@@ -1,6 +1,8 @@
 """A LoRA model's exported PEFT adapter, loaded with ``PeftModel.from_pretrained``
 onto transformers' ``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` (the
-overlay), gives our model's logits."""
+overlay), gives our model's logits; also for a base in the released
+(vision-language) layout, which ``AutoModelForCausalLM`` loads as the
+text-only model the adapter's keys name."""
 
 from __future__ import annotations
 
@@ -42,6 +44,18 @@ _SPECS = {
         seed=11,
         initializer_range=0.02,
     ),
+    # The released layout (`model.language_model.*`, a vision tower).
+    "dense-vlm": TinyQwen35Spec(
+        layout="vlm",
+        num_hidden_layers=4,
+        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        seed=13,
+        initializer_range=0.02,
+    ),
     "moe": TinyQwen35Spec(
         layout="text",
         moe=True,
@@ -61,6 +75,7 @@ _SPECS = {
     [
         ("dense", False, []),
         ("dense", True, []),
+        ("dense-vlm", False, []),
         # Both expert weights: PEFT nests their adapters on the experts module.
         ("moe", False, list(LORA_TARGET_PARAMETERS)),
         ("moe", True, ["mlp.experts.gate_up_proj"]),
