@@ -174,7 +174,7 @@ class LMTrainingRecipe(Recipe):
         unit = LMTrainUnit(loss_computer)
 
         # Before the trainer exists: fairseq2 creates its exporter with it.
-        hf_exporter = take_over_hf_export(context)
+        hf_exporter = take_over_hf_export(context, lora=config.lora is not None)
 
         if valid_reader is None:
             trainer = context.create_trainer(unit, train_reader)

@@ -28,10 +28,14 @@ from qwen35_fs2.hf.export.training import HfCheckpointExporter
 from qwen35_fs2.recipes.checkpoint_dir import get_checkpoint_dir
 
 
-def take_over_hf_export(context: RecipeContext) -> HfCheckpointExporter | None:
+def take_over_hf_export(context: RecipeContext, *, lora: bool) -> HfCheckpointExporter | None:
     """Returns the exporter of the run if its regime asks for Hugging Face
     exports, having turned fairseq2's own off; ``None`` otherwise. Call it
-    before :meth:`RecipeContext.create_trainer`."""
+    before :meth:`RecipeContext.create_trainer`.
+
+    :param lora: If ``True``, the run trains LoRA adapters, which are
+        exported as a PEFT adapter directory.
+    """
     regime = context.resolver.resolve(RegimeSection)
 
     if not regime.export_hugging_face:
@@ -39,7 +43,7 @@ def take_over_hf_export(context: RecipeContext) -> HfCheckpointExporter | None:
 
     regime.export_hugging_face = False
 
-    return HfCheckpointExporter(get_checkpoint_dir(context), context.gangs)
+    return HfCheckpointExporter(get_checkpoint_dir(context), context.gangs, adapter=lora)
 
 
 def export_hf_checkpoints(trainer: Trainer, exporter: HfCheckpointExporter) -> Task:

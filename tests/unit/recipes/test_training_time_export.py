@@ -37,7 +37,7 @@ class TestTakeOverHfExport:
 
         explicit_dir = None if checkpoint_dir is None else tmp_path / checkpoint_dir
 
-        exporter = take_over_hf_export(_context(regime, tmp_path / "out", explicit_dir))
+        exporter = take_over_hf_export(_context(regime, tmp_path / "out", explicit_dir), lora=False)
 
         assert exporter is not None
 
@@ -51,6 +51,6 @@ class TestTakeOverHfExport:
     def test_leaves_runs_without_export_alone(self, tmp_path: Path) -> None:
         regime = RegimeSection(export_hugging_face=False)
 
-        assert take_over_hf_export(_context(regime, tmp_path, None)) is None
+        assert take_over_hf_export(_context(regime, tmp_path, None), lora=False) is None
 
         assert regime.export_hugging_face is False

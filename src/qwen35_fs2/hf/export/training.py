@@ -43,8 +43,14 @@ class HfCheckpointExporter:
     so that the training run's distributed settings do not reach it.
     """
 
-    def __init__(self, checkpoint_dir: Path, gangs: Gangs) -> None:
+    def __init__(self, checkpoint_dir: Path, gangs: Gangs, *, adapter: bool = False) -> None:
+        """
+        :param adapter: If ``True``, the run is a LoRA run, whose checkpoints
+            hold adapters alone: each is exported as a PEFT adapter
+            directory (``export_hf --adapter``).
+        """
         self._checkpoint_dir = checkpoint_dir
+        self._adapter = adapter
         self._is_exporting_rank = gangs.root.rank == 0
         self._executor: ThreadPoolExecutor | None = None
         self._export_op: Future[bool] | None = None
@@ -88,10 +94,15 @@ class HfCheckpointExporter:
 
     def command(self, step_nr: int) -> list[str]:
         """Returns the command that exports the checkpoint of ``step_nr``."""
-        return [
+        command = [
             sys.executable, "-m", _EXPORT_MODULE, str(self._checkpoint_dir), str(self._export_dir(step_nr)),
             "--step", str(step_nr), "--no-rich",
         ]  # fmt: skip
+
+        if self._adapter:
+            command.append("--adapter")
+
+        return command
 
     def _export_dir(self, step_nr: int) -> Path:
         return self._checkpoint_dir / f"step_{step_nr}" / "hg"

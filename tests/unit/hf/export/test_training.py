@@ -16,7 +16,7 @@ from fairseq2.device import CPU
 from fairseq2.gang import FakeGang, Gangs, create_fake_gangs
 
 from hf_reference import read_safetensors_dir
-from training_runs import write_scratch_run
+from training_runs import write_lora_run, write_scratch_run
 from qwen35_fs2.hf.export.training import HfCheckpointExporter
 
 
@@ -49,6 +49,23 @@ class TestHfCheckpointExporter:
         assert (step_dir / "hg.stdout").is_file()
 
         assert exporter.wait() is None
+
+    def test_exports_a_lora_run_as_a_peft_adapter(self, tmp_path: Path) -> None:
+        checkpoint_dir = write_lora_run(tmp_path) / "checkpoints"
+
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), adapter=True)
+
+        exporter.export(2)
+
+        assert exporter.wait() is True
+
+        export_dir = checkpoint_dir / "step_2" / "hg"
+
+        assert shlex.split((checkpoint_dir / "step_2" / "hg.run").read_text())[-1] == "--adapter"
+
+        assert {p.name for p in export_dir.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+        assert all(".lora_" in key for key in read_safetensors_dir(export_dir))
 
     def test_logs_a_failure_with_the_commands_error_and_exit_status(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         # A checkpoint directory without checkpoints.
