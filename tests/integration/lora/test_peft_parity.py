@@ -6,6 +6,7 @@ text-only model the adapter's keys name."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,7 @@ _SEQ_LENS = [1, 37, 70]
 # Two key heads with two value heads each, so that the key-head grouping of
 # `in_proj_qkv` rows is not the identity; both mixers; untied, with GQA. The
 # MoE model's `gate_proj`/`up_proj`/`down_proj` are its shared experts'.
-_SPECS = {
+_SPECS: dict[str, TinyQwen35Spec] = {
     "dense": TinyQwen35Spec(
         layout="text",
         num_hidden_layers=4,
@@ -42,18 +43,6 @@ _SPECS = {
         linear_num_key_heads=2,
         linear_num_value_heads=4,
         seed=11,
-        initializer_range=0.02,
-    ),
-    # The released layout (`model.language_model.*`, a vision tower).
-    "dense-vlm": TinyQwen35Spec(
-        layout="vlm",
-        num_hidden_layers=4,
-        layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        seed=13,
         initializer_range=0.02,
     ),
     "moe": TinyQwen35Spec(
@@ -67,6 +56,9 @@ _SPECS = {
         initializer_range=0.02,
     ),
 }
+
+# The released layout (`model.language_model.*`, a vision tower).
+_SPECS["dense-vlm"] = replace(_SPECS["dense"], layout="vlm", seed=13)
 
 
 @pytest.mark.slow

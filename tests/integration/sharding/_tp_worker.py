@@ -285,10 +285,11 @@ def _reference_and_tp_model(config: Qwen35Config, tp_gangs: Gangs, single_gangs:
     return reference, _install_mtp_loss(_load(path, config, tp_gangs).train())
 
 
-def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
-    reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "tp1")
-
-    batches = _batches(config.vocab_size)
+def _compare_runs(reference: TransformerLM, model: TransformerLM, vocab_size: int) -> tuple[dict[str, float], dict[str, Tensor]]:
+    """Runs the same batches through the unsharded ``reference`` and the
+    tensor-parallel ``model``, asserts their logits and losses agree, and
+    returns the differences and the reference's gradients."""
+    batches = _batches(vocab_size)
 
     expected_logits, expected_loss, expected_mtp_loss = _run(reference, batches)
 
@@ -303,6 +304,14 @@ def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: 
         result["mtp_loss_diff"] = _assert_close(mtp_loss, expected_mtp_loss, "MTP loss")
 
     expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    return result, expected_gradients
+
+
+def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
+    reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "tp1")
+
+    result, expected_gradients = _compare_runs(reference, model, config.vocab_size)
 
     result["max_grad_diff"] = _max_diff(expected_gradients, _full_gradients(model, tp_gangs))
 
@@ -386,21 +395,7 @@ def _check_lora_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_ga
 
     _load_adapters(model, lora_path, tp_gangs)
 
-    batches = _batches(config.vocab_size)
-
-    expected_logits, expected_loss, expected_mtp_loss = _run(reference, batches)
-
-    logits, loss, mtp_loss = _run(model, batches)
-
-    result = {
-        "max_logit_diff": max(_assert_close(a, e, "logits") for a, e in zip(logits, expected_logits)),
-        "loss_diff": _assert_close(loss, expected_loss, "loss"),
-    }
-
-    if mtp_loss is not None and expected_mtp_loss is not None:
-        result["mtp_loss_diff"] = _assert_close(mtp_loss, expected_mtp_loss, "MTP loss")
-
-    expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    result, expected_gradients = _compare_runs(reference, model, config.vocab_size)
 
     assert expected_gradients.keys() == {n for n, p in reference.named_parameters() if is_lora_key(n)}
 
