@@ -32,6 +32,7 @@ from fairseq2.nn import BatchLayout
 
 from hf_reference import HfReferenceBatch, ReferencePrecision, TinyQwen35Spec, qwen35_0p8b_spec
 from hf_reference.fixtures import TinyModelCache
+from hf_reference.tensors import random_padded_batch
 from qwen35_fs2 import load_hf_model
 
 pytestmark = pytest.mark.slow
@@ -82,19 +83,6 @@ def _errors(logits: Tensor, expected: Tensor) -> _Errors:
     )
 
 
-def _random_batch(vocab_size: int) -> tuple[Tensor, Tensor]:
-    generator = torch.Generator().manual_seed(0)
-
-    seqs = torch.zeros((len(_SEQ_LENS), max(_SEQ_LENS)), dtype=torch.int64)
-    mask = torch.zeros_like(seqs)
-
-    for idx, n in enumerate(_SEQ_LENS):
-        seqs[idx, :n] = torch.randint(0, vocab_size, (n,), generator=generator)
-        mask[idx, :n] = 1
-
-    return seqs, mask
-
-
 @dataclass(frozen=True)
 class _Measurement:
     ours: dict[ReferencePrecision, _Errors]
@@ -114,7 +102,7 @@ def measurements(hf_tiny_models: TinyModelCache) -> dict[str, _Measurement]:
     pending = {}
 
     for name, model_dir in zip(_SPECS, model_dirs):
-        seqs, mask = _random_batch(_SPECS[name].vocab_size)
+        seqs, mask = random_padded_batch(_SPECS[name].vocab_size, _SEQ_LENS)
 
         for precision in _PRECISIONS:
             pending[name, precision] = batch.logits(model_dir, seqs, attention_mask=mask, precision=precision)
@@ -126,7 +114,7 @@ def measurements(hf_tiny_models: TinyModelCache) -> dict[str, _Measurement]:
     for name, model_dir in zip(_SPECS, model_dirs):
         expected = pending[name, "float32"].result()
 
-        seqs, _ = _random_batch(_SPECS[name].vocab_size)
+        seqs, _ = random_padded_batch(_SPECS[name].vocab_size, _SEQ_LENS)
 
         ours = {}
 
