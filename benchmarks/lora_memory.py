@@ -48,14 +48,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeAlias
 
 # The configuration and the measurement code are the training-step
 # benchmarks'.
-from train_step import BenchConfig, _max_rss_mib, gemm_shapes, ours_config, reference_config, spawn_worker
+from train_step import BenchConfig, _max_rss_mib, cpu_model, gemm_shapes, ours_config, reference_config, spawn_worker
 from train_step_moe import _time_steps_with_cpu
 
 # `qwen35_fs2.lora.LORA_TARGET_MODULES`, spelled out: the reference worker
@@ -248,17 +247,6 @@ _RUNNERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 _WORKERS = [f"{impl}_{mode}" for impl in _RUNNERS for mode in ("full", "lora")]
 
 
-def _cpu_model() -> dict[str, str]:
-    """The CPU as ``lscpu`` names it."""
-    output = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-
-    fields = dict(line.split(":", 1) for line in output.splitlines() if ":" in line)
-
-    keys = {"Model name": "model_name", "CPU family": "family", "Model": "model"}
-
-    return {name: fields[key].strip() for key, name in keys.items() if key in fields}
-
-
 def _entry(result: WorkerResult, num_tokens: int) -> dict[str, Any]:
     # The fastest step, the least disturbed on a shared machine (as
     # `train_step_moe.py` counts).
@@ -324,7 +312,7 @@ def main() -> None:
         "config": asdict(cfg),
         "lora_config": {"target_modules": list(TARGET_MODULES), "r": args.rank, "alpha": args.alpha},
         "threads": args.threads,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
     }
 
     for worker in _WORKERS:

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 
 import torch
@@ -45,18 +43,7 @@ from qwen35_fs2.models.qwen35 import create_qwen35_model, get_qwen35_model_hub
 from qwen35_fs2.nn.mtp import Qwen35MultiTokenPredictor, find_mtp
 from qwen35_fs2.recipes.speculative import DecodingOutput, GreedyDecoder
 
-
-def _cpu_model() -> str:
-    try:
-        output = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor()
-
-    for line in output.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-
-    return platform.processor()
+from train_step import cpu_model
 
 
 def _make_model(args: argparse.Namespace) -> TransformerLM:
@@ -168,7 +155,7 @@ def main() -> None:
     report = {
         "benchmark": "speculative_decoding",
         "command": " ".join(sys.argv),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "threads": args.threads,
         "arch": args.arch,
         "num_layers": len(model.decoder.layers),  # type: ignore[arg-type]

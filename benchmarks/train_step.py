@@ -285,6 +285,17 @@ def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 
+def cpu_model() -> dict[str, str]:
+    """The CPU as ``lscpu`` names it."""
+    output = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+
+    fields = dict(line.split(":", 1) for line in output.splitlines() if ":" in line)
+
+    keys = {"Model name": "model_name", "CPU family": "family", "Model": "model"}
+
+    return {name: fields[key].strip() for key, name in keys.items() if key in fields}
+
+
 def spawn_worker(script: str, worker: str, args: argparse.Namespace) -> dict[str, Any]:
     """Runs ``script`` as ``worker`` in a fresh process with the same options
     (but ``--rounds``) and ``args.threads`` threads, the reference workers
