@@ -68,3 +68,27 @@ def keep_fsdp_unit_in_fp32(module: Module) -> None:
 
     for fsdp_param in param_group.fsdp_params:
         fsdp_param.mp_policy = policy
+
+
+def fsdp_unit_mixed_precision(module: Module) -> MixedPrecisionPolicy:
+    """Returns the mixed precision policy that fairseq2's wrapper gave the
+    FSDP2 unit ``module``, for units wrapped without it (the routed experts
+    under expert parallelism, sharded over a mesh of their own).
+
+    :raises TypeError: ``module`` is not an FSDP2 unit.
+    :raises RuntimeError: FSDP2's internals are not those this workaround
+        knows.
+    """
+    if not isinstance(module, FSDPModule):
+        raise TypeError(
+            f"`module` must be an FSDP2 unit (`FSDPModule`), but is a `{type(module).__name__}` instead."
+        )
+
+    policy = getattr(module._get_fsdp_state(), "_mp_policy", None)
+
+    if not isinstance(policy, MixedPrecisionPolicy):
+        raise RuntimeError(
+            "FSDP2's unit state has no `_mp_policy` attribute in this PyTorch version, which `fsdp_unit_mixed_precision` relies on. Update the workaround in `qwen35_fs2.compat.fsdp_unit_precision`."
+        )
+
+    return policy

@@ -43,8 +43,15 @@ from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.models.utils.fsdp import apply_layerwise_fsdp
 from fairseq2.nn.fsdp import FSDPWrapper
 
-from qwen35_fs2.compat.fsdp_unit_precision import keep_fsdp_unit_in_fp32
+from qwen35_fs2.compat.fsdp_unit_precision import fsdp_unit_mixed_precision, keep_fsdp_unit_in_fp32
+from qwen35_fs2.nn.moe.expert_parallel import ExpertParallelism
+from qwen35_fs2.nn.moe.experts import RoutedExperts
+from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetDecay
+from qwen35_fs2.parallel.expert_parallel import (
+    detached_expert_parallel_experts,
+    shard_expert_parallel_experts,
+)
 
 QWEN35_FSDP_GRANULARITIES: Final = ("layer", "stack", "model")
 
@@ -67,6 +74,18 @@ def apply_fsdp_to_qwen35(
             f"`granularity` must be one of {', '.join(QWEN35_FSDP_GRANULARITIES)}, but is '{granularity}' instead."
         )
 
+    # Routed experts under expert parallelism are units of their own, over
+    # another mesh; fairseq2's wrapper must not see them.
+    with detached_expert_parallel_experts(model) as ep_experts:
+        sharded = _apply_units(model, granularity, wrapper)
+
+        if ep_experts:
+            _shard_expert_parallel_units(model, sharded, ep_experts, granularity, wrapper)
+
+    return sharded
+
+
+def _apply_units(model: TransformerLM, granularity: str, wrapper: FSDPWrapper) -> Module:
     # First, inside every unit below: the decay parameters of the Gated
     # DeltaNet layers, gathered and reduced in fp32.
     decays = [m for m in model.modules() if isinstance(m, GatedDeltaNetDecay)]
@@ -85,6 +104,33 @@ def apply_fsdp_to_qwen35(
         return model
 
     return wrapper(model, reshard_after_forward=False)
+
+
+def _shard_expert_parallel_units(
+    model: TransformerLM,
+    sharded: Module,
+    ep_experts: list[tuple[RoutedExperts, ExpertParallelism]],
+    granularity: str,
+    wrapper: FSDPWrapper,
+) -> None:
+    """Shards the (detached) ``ep_experts`` as
+    :mod:`qwen35_fs2.parallel.expert_parallel` describes, in the policy of
+    the model's other units."""
+    # The MTP head is in no unit at `layer` granularity; the root unit, which
+    # fairseq2 wraps last, would broadcast and re-materialize its experts.
+    mtp = find_mtp(model)
+
+    if granularity == "layer" and mtp is not None:
+        wrapper(mtp)
+
+    unit = model.decoder.layers[0] if granularity == "layer" else model.decoder if granularity == "stack" else sharded
+
+    mp_policy = fsdp_unit_mixed_precision(unit)
+
+    device = next(unit.parameters()).device
+
+    for experts, ep in ep_experts:
+        shard_expert_parallel_experts(experts, ep, mp_policy=mp_policy, device=device)
 
 
 def shard_qwen35_with_fsdp2(

@@ -7,7 +7,6 @@ from typing import Any, final
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 from torch.nn import Module
 from typing_extensions import override
 
@@ -18,45 +17,11 @@ from fairseq2.nn import BatchLayout
 from fairseq2.ops.tensor_parallel import reduce, reduce_on_backward
 
 from qwen35_fs2.nn.moe.experts import RoutedExperts
+from qwen35_fs2.nn.moe.expert_parallel import ExpertParallelism
 from qwen35_fs2.nn.moe.router import TopKRouter
+from qwen35_fs2.nn.moe.rows import GatherRows
 from qwen35_fs2.nn.moe.statistics import MoeRoutingStatistics, MoeStatisticsRecorder
 from qwen35_fs2.nn.tp import sum_gradient_over_tp
-from qwen35_fs2.ops.autocast import autocast_free
-
-class _GatherRows(torch.autograd.Function):
-    """``x[index]`` where each row of ``x`` is gathered ``repeats`` times and
-    ``grad_index`` inverts ``index`` (``index[grad_index]`` lists each row
-    ``repeats`` times in a row).
-
-    The backward pass is then a gather and a sum too; autograd's own, an
-    index-add, is serial on CPU and not deterministic on GPU.
-    """
-
-    @staticmethod
-    @autocast_free
-    def forward(
-        ctx: Any, x: Tensor, index: Tensor, grad_index: Tensor, repeats: int
-    ) -> Tensor:
-        ctx.save_for_backward(grad_index)
-
-        ctx.repeats = repeats
-
-        return x.index_select(0, index)
-
-    @staticmethod
-    @autocast_free
-    @once_differentiable
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, None, None, None]:
-        (grad_index,) = ctx.saved_tensors
-
-        grad = grad_output.index_select(0, grad_index)
-
-        if ctx.repeats > 1:
-            # (T x K, M) -> (T, K, M) -> (T, M)
-            grad = grad.view(-1, ctx.repeats, grad.size(-1)).sum(dim=1)
-
-        return grad, None, None, None
-
 
 @final
 class Qwen35MoeBlock(FeedForwardNetwork):
@@ -111,6 +76,12 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         self.shared_expert = shared_expert
         self.shared_expert_gate = shared_expert_gate
 
+        self.expert_parallel: ExpertParallelism | None = None
+        """Where the routed experts run under expert parallelism (set by
+        :func:`~qwen35_fs2.parallel.expert_parallel.apply_expert_parallelism`,
+        which also keeps only this rank's experts); ``None`` to run them all
+        here."""
+
     @override
     def forward(
         self, seqs: Tensor, seqs_layout: BatchLayout | None = None, *, statistics: MoeStatisticsRecorder | None = None
@@ -135,17 +106,22 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         probs, top_weights, top_indices = self.router(x)
 
-        # Sort the (token, slot) pairs by expert; the stable sort keeps tokens
-        # in order within each expert.
+        # Sort the (token, slot) pairs by expert, or under expert parallelism
+        # by the place of their expert; the stable sort keeps tokens in order
+        # within each expert.
         # (T, K) -> (T x K)
         slot_experts = top_indices.flatten()
 
-        sorted_slots = slot_experts.argsort(stable=True)
+        ep = self.expert_parallel
+
+        slot_places = slot_experts if ep is None else ep.places(slot_experts)
+
+        sorted_slots = slot_places.argsort(stable=True)
 
         # The position of each slot in the sorted order.
         slot_positions = sorted_slots.argsort()
 
-        tokens_per_expert = torch.bincount(slot_experts, minlength=self.experts.num_experts)
+        tokens_per_place = torch.bincount(slot_places, minlength=self.experts.num_experts)
 
         # Under tensor parallelism each rank computes its experts' share of
         # `routed`, so its gradients of `x` and of the routing weights are
@@ -154,12 +130,12 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         expert_x = reduce_on_backward(x, self.tp_gang) if self.tp_gang.size > 1 else x
 
         # (T, M) -> (T x K, M), sorted by expert
-        sorted_seqs = _GatherRows.apply(expert_x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
+        sorted_seqs = GatherRows.apply(expert_x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
 
-        expert_outputs = self._run_local_experts(sorted_seqs, tokens_per_expert)
+        expert_outputs = self._run_local_experts(sorted_seqs, tokens_per_place)
 
         # Back to (token, slot) order.
-        expert_outputs = _GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)  # type: ignore[no-untyped-call]
+        expert_outputs = GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)  # type: ignore[no-untyped-call]
 
         top_weights = sum_gradient_over_tp(top_weights, self.tp_gang)
 
@@ -182,27 +158,36 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         return (routed + shared).view(seqs.shape)
 
-    def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
+    def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_place: Tensor) -> Tensor:
         """Runs the rank's experts on their rows of ``sorted_seqs``; the rows
-        of the other ranks' experts are zero."""
+        of the other tensor-parallel ranks' experts are zero."""
         experts = self.experts
 
         if experts.num_local_experts == experts.num_experts:
-            output: Tensor = experts(sorted_seqs, tokens_per_expert)
+            return self._run_experts(sorted_seqs, tokens_per_place)
 
-            return output
+        group_sizes = tokens_per_place.tolist()
 
-        group_sizes = tokens_per_expert.tolist()
-
+        # Places permute experts within a tensor-parallel rank's range only.
         first, last = experts.first_local_expert, experts.first_local_expert + experts.num_local_experts
 
         start = sum(group_sizes[:first])
         end = start + sum(group_sizes[first:last])
 
-        local_output: Tensor = experts(sorted_seqs[start:end], tokens_per_expert[first:last])
+        local_output = self._run_experts(sorted_seqs[start:end], tokens_per_place[first:last])
 
         # (T_l, M) -> (T x K, M)
         return F.pad(local_output, (0, 0, start, sorted_seqs.size(0) - end))
+
+    def _run_experts(self, rows: Tensor, tokens_per_place: Tensor) -> Tensor:
+        """Runs the experts of the rank's tensor-parallel shard on ``rows``,
+        here or, under expert parallelism, where they are."""
+        if self.expert_parallel is None:
+            output: Tensor = self.experts(rows, tokens_per_place)
+
+            return output
+
+        return self.expert_parallel.run(self.experts, rows, tokens_per_place)
 
     def _routing_statistics(
         self, probs: Tensor, slot_experts: Tensor, token_mask: Tensor | None

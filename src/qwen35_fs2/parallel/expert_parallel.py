@@ -1,0 +1,253 @@
+"""Expert parallelism for Qwen3.5-MoE models under FSDP2: the groups, the
+split of each MoE block's routed experts, their FSDP2 units, and gradient
+clipping across both kinds of units.
+
+With ``ep`` ranks per expert-parallel (EP) group (see
+:mod:`qwen35_fs2.nn.moe.expert_parallel` for the token exchange):
+
+- the EP groups are ``ep`` consecutive data-parallel ranks of one
+  tensor-parallel rank (so one node holds a group for ``ep`` up to the GPUs
+  of a node), and the *replica* groups the ``R = D / ep`` data-parallel ranks
+  that share an EP rank;
+- :func:`apply_expert_parallelism` keeps the rank's ``E_l / ep`` experts of
+  every MoE block (``E_l`` experts per tensor-parallel rank) and attaches
+  the exchange to the block;
+- under FSDP2 (:func:`~qwen35_fs2.parallel.fsdp.apply_fsdp_to_qwen35`) the
+  experts of a block are a unit of their own, sharded over the rank's
+  replica group: each rank stores ``E_l / D`` experts, exactly those it
+  stores without expert parallelism, and gathers ``E_l / ep`` of them, not
+  ``E_l``. Their gradients, which sum the losses of the EP group's ranks,
+  are summed over the replicas and divided by ``D``: the mean over the
+  data-parallel ranks, as for every other parameter. Everything else is
+  sharded over all ``D`` ranks as before.
+
+Checkpoints hold each rank's local shards (fairseq2's FSDP2 state dicts), so
+the same rank writes the same file at every EP size, and a run resumes at
+another one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import ContextManager, cast, final
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn import Module, Parameter
+from typing_extensions import override
+
+from fairseq2.error import NotSupportedError
+from fairseq2.gang import Gang, Gangs
+from fairseq2.nn.data_parallel import DataParallelFacade
+
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
+from qwen35_fs2.nn.moe.experts import RoutedExperts
+from qwen35_fs2.nn.moe.expert_parallel import (
+    ExpertParallelism,
+    check_expert_parallel_sizes,
+    expert_parallel_order,
+)
+
+
+@final
+@dataclass(frozen=True)
+class ExpertParallelGroups:
+    """The process groups of expert parallelism of one rank."""
+
+    ep: ProcessGroup
+    """The ``ep`` consecutive data-parallel ranks that exchange tokens."""
+
+    replicas: ProcessGroup
+    """The ``D / ep`` data-parallel ranks that run the same experts."""
+
+    dp: Gang
+    """The data-parallel gang, of ``D`` ranks."""
+
+    @property
+    def ep_size(self) -> int:
+        return dist.get_world_size(self.ep)
+
+
+def create_expert_parallel_groups(gangs: Gangs, ep_size: int) -> ExpertParallelGroups:
+    """Creates the EP and replica groups of ``ep_size`` ranks out of the
+    data-parallel gangs of ``gangs``; every rank of ``gangs.root`` must call
+    it (each creates every group, as ``torch.distributed.new_group`` asks).
+
+    :raises ValueError: if ``ep_size`` does not divide the data-parallel
+        size, or the data-parallel gang is split into hybrid shards.
+    """
+    dp_size, tp_size = gangs.dp.size, gangs.tp.size
+
+    if ep_size < 1 or dp_size % ep_size != 0:
+        raise ValueError(
+            f"The expert parallel size must be a positive divisor of the data parallel size ({dp_size}), but is {ep_size} instead."
+        )
+
+    if gangs.rdp.size > 1:
+        raise NotSupportedError(
+            f"Expert parallelism needs FSDP over all {dp_size} data-parallel ranks, but `trainer.fsdp.hybrid` splits them into {gangs.rdp.size} replicas."
+        )
+
+    if gangs.pp.size > 1:
+        raise NotSupportedError("Expert parallelism does not support pipeline parallelism.")
+
+    # fairseq2's layout: root rank = dp_rank * tp_size + tp_rank.
+    def root_rank(dp_rank: int, tp_rank: int) -> int:
+        return dp_rank * tp_size + tp_rank
+
+    num_replicas = dp_size // ep_size
+
+    my_dp_rank, my_tp_rank = gangs.dp.rank, gangs.tp.rank
+
+    ep_group = replica_group = None
+
+    for tp_rank in range(tp_size):
+        for first in range(0, dp_size, ep_size):
+            ranks = [root_rank(d, tp_rank) for d in range(first, first + ep_size)]
+
+            group = dist.new_group(ranks)
+
+            if tp_rank == my_tp_rank and first <= my_dp_rank < first + ep_size:
+                ep_group = group
+
+        for ep_rank in range(ep_size):
+            ranks = [root_rank(g * ep_size + ep_rank, tp_rank) for g in range(num_replicas)]
+
+            group = dist.new_group(ranks)
+
+            if tp_rank == my_tp_rank and my_dp_rank % ep_size == ep_rank:
+                replica_group = group
+
+    if ep_group is None or replica_group is None:
+        raise RuntimeError("Every rank must belong to an expert-parallel and a replica group, but this one does not.")
+
+    return ExpertParallelGroups(ep=ep_group, replicas=replica_group, dp=gangs.dp)
+
+
+def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> None:
+    """Keeps this rank's experts of every MoE block of ``model`` and makes the
+    blocks exchange tokens over ``groups.ep``; every data-parallel rank must
+    call it, before the model is sharded.
+
+    A model whose parameters are on the meta device on some ranks and real on
+    data-parallel rank 0 (a new model that fairseq2 broadcasts from rank 0
+    when it shards it) gets rank 0's experts: rank 0 broadcasts each block's
+    experts before they are split. A model on the meta device everywhere
+    (to be loaded from a checkpoint) stays there.
+
+    :raises ValueError: if the experts of a block cannot be split evenly.
+    :raises NotSupportedError: if routed experts carry LoRA adapters.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock)]
+
+    dp = groups.dp
+
+    on_meta = _gather_flags(dp, any(p.is_meta for b in blocks for p in b.experts.parameters()))
+
+    for block in blocks:
+        experts = block.experts
+
+        if block.expert_parallel is not None:
+            raise ValueError("`model` must not be expert-parallel already, but it is.")
+
+        if experts.lora is not None:
+            raise NotSupportedError(
+                "Expert parallelism does not support LoRA adapters on the routed experts (`target_parameters`)."
+            )
+
+        check_expert_parallel_sizes(experts.num_local_experts, groups.ep_size, dp.size)
+
+        order = expert_parallel_order(experts.num_local_experts, groups.ep_size, dp.size)
+
+        ep = ExpertParallelism(groups.ep, order, replicas=groups.replicas)
+
+        rows = torch.tensor(ep.rank_experts)
+
+        for name in ("gate_inner_proj", "output_proj"):
+            param: Parameter = getattr(experts, name)
+
+            if not any(on_meta):
+                data = param.detach()
+            elif not on_meta[0]:
+                # Rank 0 holds the model; the others receive its experts.
+                data = param.detach() if dp.rank == 0 else torch.empty_like(param, device=dp.device)
+
+                dp.broadcast(data, source_rank=0)
+            elif all(on_meta):
+                data = param.detach()
+            else:
+                raise ValueError(
+                    "The experts must be on the meta device on every rank, on none, or on all but data-parallel rank 0, but are not."
+                )
+
+            setattr(experts, name, Parameter(data.index_select(0, rows.to(data.device)), requires_grad=param.requires_grad))
+
+        block.expert_parallel = ep
+
+
+def _gather_flags(gang: Gang, flag: bool) -> list[bool]:
+    """Returns ``flag`` of every rank of ``gang``, in rank order."""
+    flags = torch.zeros((gang.size,), dtype=torch.int64, device=gang.device)
+
+    gang.all_gather(flags, torch.tensor([int(flag)], device=gang.device))
+
+    return [bool(f) for f in flags.tolist()]
+
+
+@contextmanager
+def detached_expert_parallel_experts(model: Module) -> Iterator[list[tuple[RoutedExperts, ExpertParallelism]]]:
+    """Takes the routed experts of the expert-parallel blocks of ``model`` out
+    of it for the duration, so that fairseq2's FSDP2 wrapper neither
+    broadcasts nor shards them over all data-parallel ranks, and yields them
+    with their blocks' exchanges; they return to their blocks on exit.
+
+    fairseq2 0.8.1's wrapper (``to_fsdp2``) shards every unit over one mesh
+    and broadcasts every parameter of a unit it has not wrapped itself; it
+    has no hook to keep some parameters out.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock) and m.expert_parallel is not None]
+
+    taken = [block._modules.pop("experts") for block in blocks]
+
+    try:
+        yield [(cast(RoutedExperts, experts), cast(ExpertParallelism, block.expert_parallel)) for block, experts in zip(blocks, taken)]
+    finally:
+        for block, experts in zip(blocks, taken):
+            block._modules["experts"] = experts
+
+
+def shard_expert_parallel_experts(
+    experts: RoutedExperts, ep: ExpertParallelism, *, mp_policy: MixedPrecisionPolicy, device: torch.device
+) -> None:
+    """Makes ``experts``, which run where ``ep`` says, an FSDP2 unit over the
+    ranks that run the same experts (see the module docstring), with the
+    mixed-precision policy of the other units; experts on the meta device are
+    allocated on ``device`` and initialized first."""
+    # On the meta device, the whole model stays there until its shards are
+    # allocated (`qwen35_fs2.hf.sharded_loading`).
+    if device.type != "meta" and any(p.is_meta for p in experts.parameters()):
+        experts.to_empty(device=device)
+
+        experts.reset_parameters()
+
+    replicas = ep.replicas
+
+    mesh = DeviceMesh.from_group(replicas, device.type, mesh_dim_names=("expert_replica",))
+
+    fully_shard(experts, mesh=mesh, mp_policy=mp_policy)
+
+    unit = cast(FSDPModule, experts)
+
+    # The gradients sum the losses of the EP group's ranks; summed over the
+    # replicas they sum those of all data-parallel ranks, whose mean is the
+    # gradient. Gloo has no pre-multiplied sum, NCCL does not need it here.
+    unit.set_gradient_divide_factor(float(ep.ep_size * dist.get_world_size(replicas)))
+
+    unit.set_force_sum_reduction_for_comms(True)
