@@ -83,6 +83,7 @@ from qwen35_fs2.models.qwen35.interop import find_output_weight_keys, tied_outpu
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
 from qwen35_fs2.models.qwen35_moe.factory import create_qwen35_moe_model
 from qwen35_fs2.nn.lora import is_lora_module, reset_lora_adapters
+from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
 
@@ -143,6 +144,8 @@ def load_hf_checkpoint_shards(
 
     params = {_clean_name(name): param for name, param in model.named_parameters() if id(param) not in adapter_params}
 
+    expert_rows = _expert_parallel_rows(model)
+
     missing = sorted(params.keys() - plan.keys())
     unexpected = sorted(plan.keys() - params.keys())
 
@@ -157,7 +160,7 @@ def load_hf_checkpoint_shards(
             _check_tied_output_weights(index, reader, read_buffer_bytes)
 
         for name, param in params.items():
-            local, full_shape, box = _local_box(param, shard_dims.get(name), gangs)
+            local, full_shape, box = _local_box(param, shard_dims.get(name), gangs, expert_rows.get(name))
 
             _check_plan_shape(path, name, plan[name], full_shape, index)
 
@@ -219,10 +222,31 @@ def _clean_name(name: str) -> str:
     return _WRAPPER_NAME.sub("", name)
 
 
-def _local_box(param: Tensor, tp_dim: int | None, gangs: Gangs) -> tuple[Tensor, tuple[int, ...], _LocalBox]:
+def _expert_parallel_rows(model: Module) -> dict[str, tuple[list[int], int]]:
+    """Returns, by name, the routed experts of the expert-parallel blocks of
+    ``model``: the experts in the rows of the parameter and the number of
+    experts of the tensor-parallel rank."""
+    rows = {}
+
+    for name, module in model.named_modules():
+        if isinstance(module, Qwen35MoeBlock) and module.expert_parallel is not None:
+            ep = module.expert_parallel
+
+            for param_name in ("gate_inner_proj", "output_proj"):
+                rows[_clean_name(f"{name}.experts.{param_name}")] = (ep.rank_experts, ep.num_experts)
+
+    return rows
+
+
+def _local_box(
+    param: Tensor, tp_dim: int | None, gangs: Gangs, expert_rows: tuple[list[int], int] | None = None
+) -> tuple[Tensor, tuple[int, ...], _LocalBox]:
     """Returns this rank's tensor of ``param``, the shape of the unsharded
     tensor, and where the rank's tensor lies in it (in the rows and columns
-    of its 2-D view)."""
+    of its 2-D view).
+
+    The rows of the stacked weights of an expert-parallel rank's experts are
+    ``expert_rows[0]`` of the tensor-parallel rank's ``expert_rows[1]``."""
     if isinstance(param, DTensor):
         local = param.to_local()
 
@@ -234,10 +258,23 @@ def _local_box(param: Tensor, tp_dim: int | None, gangs: Gangs) -> tuple[Tensor,
 
     offsets = list(global_offsets)
 
-    if tp_dim is not None:
-        offsets[tp_dim] += gangs.tp.rank * param.size(tp_dim)
+    param_shape = list(param.shape)
 
-    full_shape = list(param.shape)
+    if expert_rows is not None:
+        rank_experts, param_shape[0] = expert_rows
+
+        rows = rank_experts[offsets[0] : offsets[0] + shape[0]]
+
+        # The placement gives every rank consecutive experts.
+        if rows and rows != list(range(rows[0], rows[0] + len(rows))):
+            raise InternalError(f"The experts of a rank must be consecutive, but are {rows}.")
+
+        offsets[0] = rows[0] if rows else 0
+
+    if tp_dim is not None:
+        offsets[tp_dim] += gangs.tp.rank * param_shape[tp_dim]
+
+    full_shape = list(param_shape)
 
     if tp_dim is not None:
         full_shape[tp_dim] *= gangs.tp.size

@@ -41,10 +41,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import Module, Parameter
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from fairseq2.error import NotSupportedError
-from fairseq2.gang import Gang, Gangs
+from fairseq2.gang import Gang, Gangs, ReduceOperation
 from fairseq2.nn.data_parallel import DataParallelFacade
 
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
@@ -139,8 +140,10 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
     A model whose parameters are on the meta device on some ranks and real on
     data-parallel rank 0 (a new model that fairseq2 broadcasts from rank 0
     when it shards it) gets rank 0's experts: rank 0 broadcasts each block's
-    experts before they are split. A model on the meta device everywhere
-    (to be loaded from a checkpoint) stays there.
+    experts before they are split, and the other ranks keep theirs aside
+    (:attr:`ExpertParallelism.received_weights`) until they shard them, as
+    fairseq2 wants the model on one device until then. A model on the meta
+    device everywhere (to be loaded from a checkpoint) stays there.
 
     :raises ValueError: if the experts of a block cannot be split evenly.
     :raises NotSupportedError: if routed experts carry LoRA adapters.
@@ -170,6 +173,8 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
 
         rows = torch.tensor(ep.rank_experts)
 
+        received = {}
+
         for name in ("gate_inner_proj", "output_proj"):
             param: Parameter = getattr(experts, name)
 
@@ -180,6 +185,12 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
                 data = param.detach() if dp.rank == 0 else torch.empty_like(param, device=dp.device)
 
                 dp.broadcast(data, source_rank=0)
+
+                if dp.rank != 0:
+                    received[name] = data.index_select(0, rows.to(data.device))
+
+                    # fairseq2's wrapper wants the model on one device.
+                    data = param.detach()
             elif all(on_meta):
                 data = param.detach()
             else:
@@ -188,6 +199,8 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
                 )
 
             setattr(experts, name, Parameter(data.index_select(0, rows.to(data.device)), requires_grad=param.requires_grad))
+
+        ep.received_weights = received or None
 
         block.expert_parallel = ep
 
@@ -214,32 +227,55 @@ def detached_expert_parallel_experts(model: Module) -> Iterator[list[tuple[Route
     """
     blocks = [m for m in model.modules() if isinstance(m, Qwen35MoeBlock) and m.expert_parallel is not None]
 
-    taken = [block._modules.pop("experts") for block in blocks]
+    children = [dict(block._modules) for block in blocks]
+
+    for block in blocks:
+        del block._modules["experts"]
 
     try:
-        yield [(cast(RoutedExperts, experts), cast(ExpertParallelism, block.expert_parallel)) for block, experts in zip(blocks, taken)]
+        yield [
+            (cast(RoutedExperts, modules["experts"]), cast(ExpertParallelism, block.expert_parallel))
+            for block, modules in zip(blocks, children)
+        ]
     finally:
-        for block, experts in zip(blocks, taken):
-            block._modules["experts"] = experts
+        # In their order: the optimizer's state follows that of the
+        # parameters.
+        for block, modules in zip(blocks, children):
+            block._modules.clear()
+
+            block._modules.update(modules)
 
 
 def shard_expert_parallel_experts(
-    experts: RoutedExperts, ep: ExpertParallelism, *, mp_policy: MixedPrecisionPolicy, device: torch.device
+    experts: RoutedExperts,
+    ep: ExpertParallelism,
+    *,
+    mp_policy: MixedPrecisionPolicy,
+    device: torch.device,
+    device_type: str,
 ) -> None:
     """Makes ``experts``, which run where ``ep`` says, an FSDP2 unit over the
     ranks that run the same experts (see the module docstring), with the
-    mixed-precision policy of the other units; experts on the meta device are
-    allocated on ``device`` and initialized first."""
+    mixed-precision policy of the other units, on a mesh of ``device_type``;
+    experts on the meta device are allocated on ``device`` (unless it is the
+    meta device) and initialized first."""
     # On the meta device, the whole model stays there until its shards are
     # allocated (`qwen35_fs2.hf.sharded_loading`).
     if device.type != "meta" and any(p.is_meta for p in experts.parameters()):
         experts.to_empty(device=device)
 
-        experts.reset_parameters()
+        if ep.received_weights is None:
+            experts.reset_parameters()
+        else:
+            with torch.no_grad():
+                for name, weight in ep.received_weights.items():
+                    getattr(experts, name).copy_(weight)
+
+            ep.received_weights = None
 
     replicas = ep.replicas
 
-    mesh = DeviceMesh.from_group(replicas, device.type, mesh_dim_names=("expert_replica",))
+    mesh = DeviceMesh.from_group(replicas, device_type, mesh_dim_names=("expert_replica",))
 
     fully_shard(experts, mesh=mesh, mp_policy=mp_policy)
 
@@ -251,3 +287,115 @@ def shard_expert_parallel_experts(
     unit.set_gradient_divide_factor(float(ep.ep_size * dist.get_world_size(replicas)))
 
     unit.set_force_sum_reduction_for_comms(True)
+
+
+@final
+class ExpertParallelFacade(DataParallelFacade):
+    """The data-parallel facade of an expert-parallel model: ``facade``'s,
+    except for gradient clipping.
+
+    fairseq2 clips FSDP2 gradients with PyTorch's ``clip_grad_norm_``, which
+    stacks the norms of all gradients as DTensors of one mesh; the experts'
+    gradients lie on the replica meshes. Here every rank sums the squares of
+    its local shards, the data-parallel gang sums those (each shard is held
+    by one rank), and every rank scales its shards by the same factor.
+    """
+
+    def __init__(self, facade: DataParallelFacade, module: Module, dp_gang: Gang) -> None:
+        self._facade = facade
+        self._module = module
+        self._dp_gang = dp_gang
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return self._facade.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        self._facade.load_state_dict(state_dict)
+
+    @override
+    def no_sync(self) -> ContextManager[None]:
+        return self._facade.no_sync()
+
+    @override
+    def clip_grad_norm(self, max_norm: float | None) -> Tensor:
+        return clip_sharded_grad_norm(self._module, max_norm, self._dp_gang)
+
+    @override
+    def summon_full_parameters(self) -> ContextManager[None]:
+        return self._facade.summon_full_parameters()
+
+
+def clip_sharded_grad_norm(module: Module, max_norm: float | None, dp_gang: Gang) -> Tensor:
+    """Clips the gradients of ``module``, whose parameters are FSDP2 shards
+    over any meshes of ``dp_gang``'s ranks, to a total 2-norm of ``max_norm``
+    (``None`` for no clipping) and returns the total norm before clipping."""
+    grads = []
+
+    for name, param in module.named_parameters():
+        if param.grad is None:
+            continue
+
+        if not isinstance(param.grad, DTensor):
+            raise ValueError(
+                f"The gradients of `module` must be FSDP2 shards (`DTensor`), but the gradient of `{name}` is a `{type(param.grad).__name__}` instead."
+            )
+
+        grads.append(param.grad.to_local())
+
+    device = dp_gang.device
+
+    if grads:
+        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
+    else:
+        squares = torch.zeros((), device=device)
+
+    dp_gang.all_reduce(squares, ReduceOperation.SUM)
+
+    total_norm = squares.sqrt()
+
+    if max_norm is not None and grads:
+        # As PyTorch's `clip_grad_norm_`: never scaled up.
+        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+
+        torch._foreach_mul_(grads, coef)
+
+    return total_norm
+
+
+def keep_optimizer_state_on_parameter_meshes(optimizer: Optimizer) -> None:
+    """Makes ``optimizer`` put every state DTensor that it loads on the mesh
+    and global shape of its parameter.
+
+    A rank's shards of an expert's optimizer state are the same tensors at
+    every EP size, but saved as DTensors of the mesh they had: the full
+    data-parallel mesh without expert parallelism, a replica mesh with it.
+    Loaded as they are into a run at another EP size, they no longer match
+    their parameters; their local shards do.
+
+    :raises ValueError: on load, if a state's local shard is not shaped as
+        its parameter's.
+    """
+
+    def move_to_parameter_meshes(optimizer: Optimizer) -> None:
+        for param, state in optimizer.state.items():
+            if not isinstance(param, DTensor):
+                continue
+
+            for key, value in state.items():
+                if not isinstance(value, DTensor) or value.shape == () or value.device_mesh == param.device_mesh and value.shape == param.shape:
+                    continue
+
+                local = value.to_local()
+
+                if local.shape != param.to_local().shape:
+                    raise ValueError(
+                        f"The optimizer state `{key}` of a parameter must have local shards of the parameter's local shape {tuple(param.to_local().shape)}, but has {tuple(local.shape)} instead."
+                    )
+
+                state[key] = DTensor.from_local(
+                    local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+
+    optimizer.register_load_state_dict_post_hook(move_to_parameter_meshes)

@@ -34,6 +34,7 @@ from typing import Final, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn import Module
 
@@ -127,10 +128,14 @@ def _shard_expert_parallel_units(
 
     mp_policy = fsdp_unit_mixed_precision(unit)
 
-    device = next(unit.parameters()).device
+    # The model's device, meta before its shards are allocated; its mesh's
+    # device type is the gang's.
+    param = cast(DTensor, next(unit.parameters()))
 
     for experts, ep in ep_experts:
-        shard_expert_parallel_experts(experts, ep, mp_policy=mp_policy, device=device)
+        shard_expert_parallel_experts(
+            experts, ep, mp_policy=mp_policy, device=param.device, device_type=param.device_mesh.device_type
+        )
 
 
 def shard_qwen35_with_fsdp2(

@@ -14,7 +14,7 @@ from torch.nn import Module
 from typing_extensions import override
 
 from fairseq2.data.tokenizers import Tokenizer
-from fairseq2.error import InternalError
+from fairseq2.error import InternalError, NotSupportedError
 from fairseq2.datasets import DataReader, SequenceBatch
 from fairseq2.recipe.evaluator import EvalUnit
 from fairseq2.logging import log
@@ -29,6 +29,8 @@ from fairseq2.metrics.formatters import format_as_float, format_as_int
 from fairseq2.metrics.recorders import MetricDescriptor, MetricFormatter
 from fairseq2.models.clm import CausalLM
 from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.nn.data_parallel import get_data_parallel_facade, set_data_parallel_facade
+from fairseq2.recipe.config import TrainerSection
 from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.recipe.cli import register_cli_error
 from fairseq2.recipe.error import RecipeError
@@ -50,6 +52,14 @@ from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
 from qwen35_fs2.lora import LoraConfig
+from qwen35_fs2.parallel.expert_parallel import (
+    ExpertParallelFacade,
+    ExpertParallelGroups,
+    apply_expert_parallelism,
+    create_expert_parallel_groups,
+    keep_optimizer_state_on_parameter_meshes,
+)
+from qwen35_fs2.recipes.gang import Qwen35GangSection
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
@@ -111,6 +121,8 @@ class _LMTrainingConfig(Protocol):
 
     lora: LoraConfig | None
 
+    gang: Qwen35GangSection
+
 
 class LMTrainingRecipe(Recipe):
     """The base of ``lm train`` and ``lm instruction_finetune``: Hugging Face
@@ -120,6 +132,8 @@ class LMTrainingRecipe(Recipe):
 
     def __init__(self) -> None:
         self._has_moe = False
+
+        self._ep_groups: ExpertParallelGroups | None = None
 
     @override
     def register(self, container: DependencyContainer) -> None:
@@ -136,6 +150,9 @@ class LMTrainingRecipe(Recipe):
         # Before the model is sharded: FSDP2 shards the adapters too.
         if config.lora is not None:
             setup_lora(context, model, config.lora)
+
+        # Before the model is sharded: FSDP2 shards the rank's experts only.
+        self._ep_groups = setup_expert_parallelism(context, model, config.gang.expert_parallel_size)
 
         model = finish_sharded_checkpoint_loading(context, model)
 
@@ -162,6 +179,15 @@ class LMTrainingRecipe(Recipe):
         dp_model = context.get_data_parallel_model()
 
         # Before the trainer exists: it takes the facade of the model then.
+        if self._ep_groups is not None:
+            facade = ExpertParallelFacade(get_data_parallel_facade(dp_model), dp_model, self._ep_groups.dp)
+
+            set_data_parallel_facade(dp_model, facade)
+
+        # A MoE run may resume a checkpoint of another EP size.
+        if self._has_moe:
+            keep_optimizer_state_on_parameter_meshes(context.get_optimizer())
+
         if config.lora is not None:
             save_adapters_only(dp_model)
 
@@ -190,6 +216,35 @@ class LMTrainingRecipe(Recipe):
             return trainer
 
         return export_hf_checkpoints(trainer, hf_exporter)
+
+
+def setup_expert_parallelism(context: RecipeContext, model: Module, ep_size: int) -> ExpertParallelGroups | None:
+    """Splits the routed experts of ``model`` over expert-parallel groups of
+    ``ep_size`` data-parallel ranks (:mod:`qwen35_fs2.parallel.expert_parallel`)
+    and returns the groups; ``None`` and nothing done for ``ep_size`` 1."""
+    if ep_size == 1:
+        return None
+
+    trainer = context.resolver.resolve(TrainerSection)
+
+    if trainer.data_parallelism != "fsdp":
+        raise RecipeError(
+            f"`gang.expert_parallel_size` ({ep_size}) needs `trainer.data_parallelism: fsdp`, but it is '{trainer.data_parallelism}' instead."
+        )
+
+    if not has_moe_layers(model):
+        raise RecipeError(f"`gang.expert_parallel_size` is {ep_size}, but the model has no MoE layers.")
+
+    try:
+        groups = create_expert_parallel_groups(context.gangs, ep_size)
+
+        apply_expert_parallelism(model, groups)
+    except (ValueError, NotSupportedError) as ex:
+        raise RecipeError(f"`gang.expert_parallel_size` ({ep_size}) cannot be used: {ex}") from ex
+
+    log.info("Expert parallelism: {} ranks per group, {} per replica group.", ep_size, context.gangs.dp.size // ep_size)
+
+    return groups
 
 
 def setup_lm_loss(model: Module, section: LMLossSection) -> Module:

@@ -27,11 +27,13 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn import Module
 
-from fairseq2.gang import ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs
+from fairseq2.gang import Gangs, ProcessGroupGang, create_fsdp_gangs, create_parallel_gangs, set_gangs
 from fairseq2.models.transformer_lm import TransformerLM, apply_ac_to_transformer_lm
 from fairseq2.nn import BatchLayout
 from fairseq2.nn.fsdp import fsdp2_local_state_dict, to_fsdp2
 
+from qwen35_fs2.hf.export.save import save_hf_model
+from qwen35_fs2.hf.sharded_loading import allocate_shards, load_hf_checkpoint_shards
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 from qwen35_fs2.nn import collect_moe_statistics
@@ -102,6 +104,52 @@ def _max_diff(a: Tensor, b: Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def _load_hf_shards(reference: TransformerLM, hf_dir: Path, ep: int, gangs: Gangs) -> bool:
+    """Saves ``reference`` as a Hugging Face checkpoint at ``hf_dir`` (rank
+    0), reads it into the shards of a model built on the meta device as the
+    recipes build it, and returns whether every gathered parameter equals the
+    reference's (the rank's experts, under expert parallelism)."""
+    config = tiny_qwen35_moe_config()
+
+    if gangs.root.rank == 0:
+        save_hf_model(reference, hf_dir, config=config)
+
+    gangs.root.barrier()
+
+    with torch.device("meta"), set_gangs(gangs, meta=True):
+        model = create_qwen35_moe_model(config)
+
+    if ep > 0:
+        apply_expert_parallelism(model, create_expert_parallel_groups(gangs, ep))
+
+    allocate_shards(model, gangs, fsdp_granularity="layer")
+
+    load_hf_checkpoint_shards(model, hf_dir, config, gangs)
+
+    expected_params = dict(reference.named_parameters())
+
+    blocks = {name: m for name, m in model.named_modules() if isinstance(m, Qwen35MoeBlock)}
+
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), name
+
+        expected = expected_params[name].detach()
+
+        block_name = name.rsplit(".experts.", 1)[0]
+
+        if ".experts." in name and blocks[block_name].expert_parallel is not None:
+            ep_rows = blocks[block_name].expert_parallel
+
+            assert ep_rows is not None
+
+            expected = expected[ep_rows.rank_experts]
+
+        if not torch.equal(param.full_tensor(), expected):
+            return False
+
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
 
@@ -109,6 +157,7 @@ def main() -> None:
     parser.add_argument("--packed", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--hf-dir", type=Path, help="also load the reference, saved here in Hugging Face format, into the shards")
 
     args = parser.parse_args()
 
@@ -215,6 +264,9 @@ def main() -> None:
     }
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.hf_dir is not None:
+        result["hf_loaded_exactly"] = _load_hf_shards(reference, args.hf_dir, args.ep, gangs)
 
     (args.output_dir / f"rank_{rank}.json").write_text(json.dumps(result))
 

@@ -5,9 +5,11 @@ metrics."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from integration.recipes.recipe_runner import read_metrics, run_recipe
 
@@ -28,22 +30,29 @@ OVERRIDES = (
     "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
     "loss.aux_loss_weight=0.01",
     "regime.num_steps=6",
-    "regime.checkpoint_every_n_steps=6",
+    "regime.checkpoint_every_n_steps=3",
+    "regime.keep_last_n_checkpoints=2",
     "regime.validate_every_n_steps=null",
 )
 
 _NUM_STEPS = 6
 
 
+@pytest.fixture(scope="module")
+def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-process FSDP2 run, checkpointed at steps 3 and 6."""
+    output_dir = tmp_path_factory.mktemp("fsdp")
+
+    run_recipe("instruction_finetune", output_dir, CONFIG, OVERRIDES, nproc=2)
+
+    return output_dir
+
+
 @pytest.mark.slow
-def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path) -> None:
+def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path, fsdp_dir: Path) -> None:
     single_dir = tmp_path / "single"
 
     run_recipe("instruction_finetune", single_dir, CONFIG, [*OVERRIDES, "trainer.grad_accumulation.num_batches=2"])
-
-    fsdp_dir = tmp_path / "fsdp"
-
-    run_recipe("instruction_finetune", fsdp_dir, CONFIG, OVERRIDES, nproc=2)
 
     single, fsdp = read_metrics(single_dir), read_metrics(fsdp_dir)
 
@@ -72,3 +81,54 @@ def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path)
         assert fsdp[step]["Most Tokens of an Expert"] >= fsdp[step]["Fewest Tokens of an Expert"]
 
     assert fsdp_dir.joinpath("checkpoints", f"step_{_NUM_STEPS}", "model").is_dir()
+
+
+def _assert_steps_equal(run: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range) -> None:
+    for step in steps:
+        for name in ("NLL Loss", "Auxiliary Loss", "Gradient Norm", "Number of Examples"):
+            assert run[step][name] == pytest.approx(expected[step][name], rel=1e-5), f"step {step}: {name}"
+
+
+@pytest.mark.slow
+def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_dir: Path) -> None:
+    fsdp = read_metrics(fsdp_dir)
+
+    # From scratch: rank 0's new model, its experts split over the two ranks.
+    ep_dir = tmp_path / "ep"
+
+    run_recipe("instruction_finetune", ep_dir, CONFIG, [*OVERRIDES, "gang.expert_parallel_size=2"], nproc=2)
+
+    ep = read_metrics(ep_dir)
+
+    losses = [ep[step]["NLL Loss"] for step in range(1, _NUM_STEPS + 1)]
+
+    assert losses[-1] < losses[0] - 0.5, f"The loss must fall, but went {losses}."
+
+    _assert_steps_equal(ep, fsdp, range(1, _NUM_STEPS + 1))
+
+    # The FSDP2 run's step-3 checkpoint (model, optimizer, data reader),
+    # resumed at EP size 2.
+    resumed_dir = tmp_path / "resumed"
+
+    shutil.copytree(fsdp_dir / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+
+    run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, "gang.expert_parallel_size=2"], nproc=2)
+
+    resumed = read_metrics(resumed_dir)
+
+    assert sorted(resumed) == [4, 5, 6]
+
+    _assert_steps_equal(resumed, fsdp, range(4, _NUM_STEPS + 1))
+
+    # Its checkpoint holds each rank's shards as the FSDP2 run's does.
+    for rank in range(2):
+        shard = Path("model", "pp_00", "tp_00", f"sdp_{rank:02d}.pt")
+
+        expected = torch.load(fsdp_dir / "checkpoints" / "step_6" / shard)
+
+        state_dict = torch.load(resumed_dir / "checkpoints" / "step_6" / shard)
+
+        assert state_dict.keys() == expected.keys()
+
+        for key, value in expected.items():
+            torch.testing.assert_close(state_dict[key], value, rtol=1e-4, atol=1e-6, msg=key)

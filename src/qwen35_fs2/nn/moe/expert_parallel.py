@@ -140,6 +140,10 @@ class ExpertParallelism:
 
         self._places = torch.tensor(places)
 
+        self.received_weights: dict[str, Tensor] | None = None
+        """The rank's expert weights as data-parallel rank 0 sent them, kept
+        until the experts, still on the meta device, are allocated."""
+
     @property
     def rank_experts(self) -> list[int]:
         """The experts this rank runs, in the order of its parameter rows."""

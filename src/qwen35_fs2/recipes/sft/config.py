@@ -10,7 +10,6 @@ from fairseq2.recipe.config import (
     COSINE_ANNEALING_LR,
     CommonSection,
     CosineAnnealingLRConfig,
-    GangSection,
     LRSchedulerSection,
     ModelSection,
     OptimizerSection,
@@ -22,6 +21,7 @@ from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.lora import LoraConfig
+from qwen35_fs2.recipes.gang import Qwen35GangSection
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
 from qwen35_fs2.recipes.optim import create_adamw_section
@@ -157,7 +157,7 @@ class InstructionFinetuneConfig:
         default_factory=lambda: TokenizerSection(name=QWEN35_TOKENIZER_ASSET)
     )
 
-    gang: GangSection = field(default_factory=lambda: GangSection())
+    gang: Qwen35GangSection = field(default_factory=lambda: Qwen35GangSection())
 
     trainer: TrainerSection = field(
         default_factory=lambda: TrainerSection(data_parallelism="fsdp", max_grad_norm=1.0)
