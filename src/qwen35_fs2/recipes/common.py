@@ -337,6 +337,7 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("moe_max_tokens_per_expert", "Most Tokens of an Expert", 106, format_as_int)
     register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)
     register("moe_dropped_tokens", "Dropped Expert Assignments", 108, format_as_int)
+    register("moe_ep_imbalance", "Expert-Parallel Imbalance", 109, format_as_float)
     register("num_correct", "Number of Correct Answers", 210, format_as_int)
 
     # In language-model recipes, elements are tokens. The later registration
@@ -480,6 +481,7 @@ class LMLossComputer:
             metric_bag.add("moe_max_tokens_per_expert", Max())
             metric_bag.add("moe_min_tokens_per_expert", Min())
             metric_bag.add("moe_dropped_tokens", Sum())
+            metric_bag.add("moe_ep_imbalance", Max())
 
     def __call__(self, batch: SequenceBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
         model = cast(CausalLM, self._model)
@@ -541,6 +543,7 @@ class LMLossComputer:
             metric_bag.get("moe_max_tokens_per_expert", Max).update(moe_statistics.max_tokens_per_expert)
             metric_bag.get("moe_min_tokens_per_expert", Min).update(moe_statistics.min_tokens_per_expert)
             metric_bag.get("moe_dropped_tokens", Sum).update(moe_statistics.num_dropped_assignments)
+            metric_bag.get("moe_ep_imbalance", Max).update(moe_statistics.ep_imbalance)
 
             loss = loss + (self._aux_loss_weight * num_targets) * aux_loss
 

@@ -132,3 +132,24 @@ def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_
 
         for key, value in expected.items():
             torch.testing.assert_close(state_dict[key], value, rtol=1e-4, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ep_size", "message"),
+    [
+        (2, "`gang.expert_parallel_size` (2) cannot be used: The expert parallel size must be a positive divisor of the data parallel size (1), but is 2 instead."),
+        (0, "`expert_parallel_size` must be greater than or equal to 1, but is 0 instead."),
+    ],
+)
+def test_bad_expert_parallel_size_is_a_clear_error(ep_size: int, message: str, tmp_path: Path) -> None:
+    output_dir = tmp_path / "out"
+
+    process = run_recipe(
+        "instruction_finetune", output_dir, CONFIG, [*OVERRIDES, f"gang.expert_parallel_size={ep_size}"], expected_returncode=2
+    )
+
+    assert message in process.stdout
+
+    # Stopped before training.
+    assert not (output_dir / "metrics").exists()

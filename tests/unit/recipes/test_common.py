@@ -131,7 +131,10 @@ class TestLMLossComputer:
         tokens_per_expert = torch.tensor([[3.0, 4.0, 1.0], [2.0, 2.0, 4.0]])
 
         def aux_loss_fn() -> MoeStatistics:
-            return MoeStatistics(aux_loss, tokens_per_expert, torch.tensor(4.0), top_k=2)
+            # Two EP ranks: the busiest computed 10 of 16 rows in layer 1.
+            rows_per_ep_rank = torch.tensor([[8, 8], [6, 10]])
+
+            return MoeStatistics(aux_loss, tokens_per_expert, torch.tensor(4.0), top_k=2, rows_per_ep_rank=rows_per_ep_rank)
 
         metric_bag = MetricBag(CPU)
 
@@ -157,6 +160,7 @@ class TestLMLossComputer:
         assert metric_bag.get("moe_max_tokens_per_expert", Max).compute() == 4
         assert metric_bag.get("moe_min_tokens_per_expert", Min).compute() == 1
         assert metric_bag.get("moe_dropped_tokens", Sum).compute() == 0
+        assert metric_bag.get("moe_ep_imbalance", Max).compute() == pytest.approx(1.25)
 
         loss.backward()
 

@@ -132,7 +132,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         # (T, M) -> (T x K, M), sorted by expert
         sorted_seqs = GatherRows.apply(expert_x, sorted_slots // top_k, slot_positions, top_k)  # type: ignore[no-untyped-call]
 
-        expert_outputs = self._run_local_experts(sorted_seqs, tokens_per_place)
+        expert_outputs, rows_per_ep_rank = self._run_local_experts(sorted_seqs, tokens_per_place)
 
         # Back to (token, slot) order.
         expert_outputs = GatherRows.apply(expert_outputs, slot_positions, sorted_slots, 1)  # type: ignore[no-untyped-call]
@@ -154,13 +154,14 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         # well, as it must save the same tensors for the backward pass as the
         # original pass; the closed recorder ignores them.
         if statistics is not None:
-            statistics.record(self, self._routing_statistics(probs, slot_experts, token_mask))
+            statistics.record(self, self._routing_statistics(probs, slot_experts, token_mask, rows_per_ep_rank))
 
         return (routed + shared).view(seqs.shape)
 
-    def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_place: Tensor) -> Tensor:
+    def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_place: Tensor) -> tuple[Tensor, Tensor | None]:
         """Runs the rank's experts on their rows of ``sorted_seqs``; the rows
-        of the other tensor-parallel ranks' experts are zero."""
+        of the other tensor-parallel ranks' experts are zero. Also returns
+        the rows of each expert-parallel rank (``None`` without)."""
         experts = self.experts
 
         if experts.num_local_experts == experts.num_experts:
@@ -174,23 +175,23 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         start = sum(group_sizes[:first])
         end = start + sum(group_sizes[first:last])
 
-        local_output = self._run_experts(sorted_seqs[start:end], tokens_per_place[first:last])
+        local_output, rows_per_ep_rank = self._run_experts(sorted_seqs[start:end], tokens_per_place[first:last])
 
         # (T_l, M) -> (T x K, M)
-        return F.pad(local_output, (0, 0, start, sorted_seqs.size(0) - end))
+        return F.pad(local_output, (0, 0, start, sorted_seqs.size(0) - end)), rows_per_ep_rank
 
-    def _run_experts(self, rows: Tensor, tokens_per_place: Tensor) -> Tensor:
+    def _run_experts(self, rows: Tensor, tokens_per_place: Tensor) -> tuple[Tensor, Tensor | None]:
         """Runs the experts of the rank's tensor-parallel shard on ``rows``,
         here or, under expert parallelism, where they are."""
         if self.expert_parallel is None:
             output: Tensor = self.experts(rows, tokens_per_place)
 
-            return output
+            return output, None
 
         return self.expert_parallel.run(self.experts, rows, tokens_per_place)
 
     def _routing_statistics(
-        self, probs: Tensor, slot_experts: Tensor, token_mask: Tensor | None
+        self, probs: Tensor, slot_experts: Tensor, token_mask: Tensor | None, rows_per_ep_rank: Tensor | None
     ) -> MoeRoutingStatistics:
         top_k = self.router.top_k
 
@@ -215,7 +216,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
                 num_tokens = token_weights.sum()
 
-        return MoeRoutingStatistics(tokens_per_expert, router_prob_sums, num_tokens, top_k)
+        return MoeRoutingStatistics(tokens_per_expert, router_prob_sums, num_tokens, top_k, rows_per_ep_rank)
 
 
 def _token_mask(seqs: Tensor, seqs_layout: BatchLayout | None) -> Tensor | None:

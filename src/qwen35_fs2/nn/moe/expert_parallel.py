@@ -159,7 +159,7 @@ class ExpertParallelism:
 
         return places[experts % self.num_experts] + experts - experts % self.num_experts
 
-    def run(self, experts: Any, rows: Tensor, rows_per_place: Tensor) -> Tensor:
+    def run(self, experts: Any, rows: Tensor, rows_per_place: Tensor) -> tuple[Tensor, Tensor]:
         """Runs ``experts`` (the rank's, a
         :class:`~qwen35_fs2.nn.moe.experts.RoutedExperts`) on the rows of all
         ranks of the group that are routed to them.
@@ -168,7 +168,9 @@ class ExpertParallelism:
             *Shape:* :math:`(T_r,M)`.
         :param rows_per_place: The rows of each place. *Shape:* :math:`(E_l,)`.
 
-        :returns: The experts' outputs for ``rows``. *Shape:* Same as ``rows``.
+        :returns: The experts' outputs for ``rows`` (*Shape:* Same as
+            ``rows``), and the rows that each rank of the group computes
+            (*Shape:* :math:`(ep,)`).
         """
         ep_size, num_rank_experts = self.ep_size, self.num_rank_experts
 
@@ -210,7 +212,10 @@ class ExpertParallelism:
 
         output: Tensor = _AllToAll.apply(outputs, send_sizes, recv_sizes, self.group)  # type: ignore[no-untyped-call]
 
-        return output
+        # (ep, ep, E_l / ep) -> (ep)
+        rows_per_rank = all_rows_per_place.view(ep_size, ep_size, num_rank_experts).sum(dim=(0, 2))
+
+        return output, rows_per_rank
 
 
 class _AllToAll(torch.autograd.Function):

@@ -33,6 +33,14 @@ class MoeRoutingStatistics:
     top_k: int
     """The number of experts each token went to."""
 
+    rows_per_ep_rank: Tensor | None = None
+    """
+    Under expert parallelism, the (token, slot) rows that each rank of the
+    block's expert-parallel group computed, all ranks' tokens together (the
+    same on every rank of the group); ``None`` without. *Shape:*
+    :math:`(ep,)`.
+    """
+
 
 @final
 @dataclass(frozen=True)
@@ -64,6 +72,26 @@ class MoeStatistics:
 
     top_k: int
     """The number of experts each token went to."""
+
+    rows_per_ep_rank: Tensor | None = None
+    """
+    Under expert parallelism, the (token, slot) rows that each rank of the
+    expert-parallel group computed in each MoE layer; ``None`` without.
+    *Shape:* :math:`(L,ep)`.
+    """
+
+    @property
+    def ep_imbalance(self) -> Tensor:
+        """The rows of the busiest rank of the expert-parallel group over the
+        mean rows of its ranks, in the worst layer: the slowdown of the
+        experts' compute that unbalanced routing causes (1 when balanced, and
+        without expert parallelism)."""
+        if self.rows_per_ep_rank is None:
+            return torch.ones((), device=self.num_tokens.device)
+
+        rows = self.rows_per_ep_rank.float()
+
+        return (rows.max(dim=1).values / rows.mean(dim=1).clamp(min=1.0)).max()
 
     @property
     def max_tokens_per_expert(self) -> Tensor:
@@ -180,4 +208,8 @@ def _combine_layer_statistics(statistics: Sequence[MoeRoutingStatistics]) -> Moe
         (tokens_per_expert.sum(dim=0) / total) * (router_prob_sums / total)
     )
 
-    return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k)
+    ep_rows = [s.rows_per_ep_rank for s in statistics if s.rows_per_ep_rank is not None]
+
+    rows_per_ep_rank = torch.stack(ep_rows) if ep_rows else None
+
+    return MoeStatistics(load_balancing_loss, tokens_per_expert, num_tokens, top_k, rows_per_ep_rank)
