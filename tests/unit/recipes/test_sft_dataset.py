@@ -1,8 +1,11 @@
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
+from fairseq2.data.data_pipeline import DataPipeline, read_sequence
 from fairseq2.datasets import SequenceBatch
 from fairseq2.gang import FakeGang, Gangs, create_fake_gangs
 
@@ -146,8 +149,34 @@ class TestCreateSFTReader:
         with pytest.raises(InstructionDataError, match=r"The train split must have at least as many examples as data-parallel ranks \(4\), but has 3\."):
             _read_all(tokenizer, _examples(3), batching, gangs=_gangs(0, 4))
 
+    def test_packs_examples_that_fill_max_num_tokens_exactly(self, tokenizer: Qwen35Tokenizer) -> None:
+        examples = _examples(6)
+
+        encoder = ChatEncoder(tokenizer)
+
+        seq_lens = [len(encoder(e)["indices"]) for e in examples]
+
+        # The first two examples make a full pack, and the only one of the
+        # first bucket.
+        max_num_tokens = seq_lens[0] + seq_lens[1]
+
+        batching = SFTBatching(max_seq_len=max(seq_lens), max_num_tokens=max_num_tokens, packing=True)
+
+        batches = _read_all(tokenizer, examples, batching)
+
+        assert _ids(batches) == [e["id"] for e in examples]
+
+        assert batches[0].seq_lens == seq_lens[:2]
+
+        assert all(sum(batch.seq_lens) <= max_num_tokens for batch in batches)
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
     @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-    def test_resumes_exactly_from_a_state_dict(self, tokenizer: Qwen35Tokenizer, packing: bool) -> None:
+    def test_resumes_exactly_from_the_state_dict_after_any_batch(self, tokenizer: Qwen35Tokenizer, packing: bool, prefetch: int) -> None:
+        # With `prefetch=0`, the state after batch `i` is the state of every
+        # op right after its share of batch `i`, so all the positions of every
+        # op are checked. With `prefetch > 0`, the ops before the prefetch
+        # have read a number of batches ahead that depends on timing.
         examples = _examples(40)
 
         batching = SFTBatching(max_seq_len=300, max_num_tokens=600, packing=packing)
@@ -162,17 +191,22 @@ class TestCreateSFTReader:
                 split_name="train",
                 shuffle_window=8,
                 seed=5,
-                prefetch=2,
+                prefetch=prefetch,
             )
 
         reader = create_reader()
 
-        for _ in range(3):
-            next(reader)
+        # `states[i]` is the state after `i` batches.
+        states = [reader.state_dict()]
 
-        state = reader.state_dict()
+        expected: list[SequenceBatch] = []
 
-        expected = [b for batches in reader for b in batches]
+        for batches in reader:
+            expected.extend(batches)
+
+            states.append(reader.state_dict())
+
+        assert len(expected) > 5
 
         # A second epoch is shuffled differently.
         reader.reset()
@@ -181,13 +215,57 @@ class TestCreateSFTReader:
 
         assert _ids(second_epoch) != _ids(expected)
 
-        resumed_reader = create_reader()
+        for num_read, state in enumerate(states):
+            # Through a file, as the trainer's checkpoints do.
+            buffer = io.BytesIO()
 
-        resumed_reader.load_state_dict(state)
+            torch.save(state, buffer)
 
-        actual = [b for batches in resumed_reader for b in batches]
+            buffer.seek(0)
 
-        assert _ids(actual) == _ids(expected)
+            resumed_reader = create_reader()
 
-        for a, e in zip(actual, expected):
-            torch.testing.assert_close(a.seqs, e.seqs, rtol=0, atol=0)
+            resumed_reader.load_state_dict(torch.load(buffer, weights_only=True))
+
+            actual = [b for batches in resumed_reader for b in batches]
+
+            assert _ids(actual) == _ids(expected[num_read:]), f"Resumed after {num_read} batch(es)."
+
+            for a, e in zip(actual, expected[num_read:]):
+                torch.testing.assert_close(a.seqs, e.seqs, rtol=0, atol=0)
+
+
+class TestFairseq2nDynamicBucket:
+    """Pins the fairseq2n 0.8.1 behaviour that ``_PackSplitter`` works around:
+    if this fails, fairseq2n keeps the pending buckets in its state, and
+    ``split_keeping_remainder`` could return one bucket per pack again."""
+
+    def test_state_lacks_the_buckets_it_has_not_yet_returned(self) -> None:
+        def split(examples: list[int]) -> tuple[list[list[int]], list[int]]:
+            return [[e] for e in examples[:-1]], examples[-1:]
+
+        def create_pipeline() -> DataPipeline:
+            # The first bucket, of examples 0 to 2, is split into [0], [1]
+            # (queued) and 2 (kept for the next bucket).
+            builder = read_sequence(list(range(6)))
+
+            builder.dynamic_bucket(3, lambda example: 1.0, bucket_creation_fn=split)
+
+            return builder.and_return()
+
+        pipeline = create_pipeline()
+
+        it = iter(pipeline)
+
+        assert next(it) == [0]
+
+        state = pipeline.state_dict()
+
+        assert list(it) == [[1], [2], [3], [4], [5]]
+
+        resumed_pipeline = create_pipeline()
+
+        resumed_pipeline.load_state_dict(state)
+
+        # [1] waited in the queue and is skipped.
+        assert list(resumed_pipeline) == [[2], [3], [4], [5]]

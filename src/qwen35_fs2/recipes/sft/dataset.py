@@ -158,8 +158,8 @@ def _pack(builder: DataPipelineBuilder, max_num_tokens: int) -> None:
         max_num_tokens, _get_num_tokens, bucket_creation_fn=split.split_keeping_remainder
     )
 
-    # At the end of the data, `dynamic_bucket` returns its remainder as is,
-    # which may exceed `max_num_tokens`.
+    # `dynamic_bucket` returns runs of whole packs, and at the end of the data
+    # its remainder as is, which may exceed `max_num_tokens`.
     builder.yield_from(split.split_all)
 
     builder.map(_collate_packed)
@@ -172,7 +172,23 @@ def _get_num_tokens(example: EncodedExample) -> float:
 @final
 class _PackSplitter:
     """Splits a run of examples, in order, into packs of at most
-    ``max_num_tokens`` tokens."""
+    ``max_num_tokens`` tokens.
+
+    A pack is filled greedily: it takes the next example while the example
+    fits. Greedy packing started at a pack boundary does not depend on how the
+    examples are cut into runs, so :meth:`split_all` splits the examples of
+    :meth:`split_keeping_remainder`'s bucket into the very packs that that
+    method found.
+
+    fairseq2n 0.8.1's ``dynamic_bucket`` returns the first of the buckets of
+    its ``bucket_creation_fn`` at once and queues the others, but leaves that
+    queue out of its state: a reader resumed from a state taken while a
+    bucket waits there skips the bucket's examples. The ops before a
+    ``prefetch`` read ahead by a number of batches that depends on timing, so
+    whether a checkpoint falls on such a state is a matter of luck. Returning
+    every complete pack in one bucket keeps the queue empty; ``yield_from``
+    records how far it has read the packs of its bucket.
+    """
 
     def __init__(self, max_num_tokens: int) -> None:
         self._max_num_tokens = max_num_tokens
@@ -199,11 +215,23 @@ class _PackSplitter:
     def split_keeping_remainder(
         self, examples: Sequence[EncodedExample]
     ) -> tuple[list[list[EncodedExample]], list[EncodedExample]]:
-        # `dynamic_bucket` calls this once its examples reach
-        # `max_num_tokens`; the last, partial pack waits for more examples.
+        """Returns the examples of the complete packs of ``examples`` as one
+        bucket, and the examples of the last, partial pack.
+
+        ``dynamic_bucket`` calls this once its examples reach
+        ``max_num_tokens``, so at least one pack is complete: there are two
+        or more packs, or one full pack, which no example can join. The bucket
+        must not be empty: fairseq2n 0.8.1 takes its first pack unchecked,
+        and the process aborts.
+        """
         packs = self._split(examples)
 
-        return packs[:-1], packs[-1]
+        if sum(len(e["indices"]) for e in packs[-1]) < self._max_num_tokens:
+            remainder = packs.pop()
+        else:
+            remainder = []
+
+        return [[e for pack in packs for e in pack]], remainder
 
     def split_all(self, examples: Sequence[EncodedExample]) -> DataPipeline:
         return read_sequence(self._split(examples)).and_return()
