@@ -5,12 +5,14 @@ sharded data-parallel ranks (``gangs.sdp``) and gathers a unit's parameters
 only around its forward and backward passes. For Qwen3.5 that means:
 
 - ``layer`` (the default): one unit per decoder layer, Gated DeltaNet and
-  full-attention layers alike; the last layer is not resharded after its
-  forward pass, as the backward pass starts with it. The root unit holds what
-  is left: the embedding, the (possibly tied) output projection and the final
+  full-attention layers alike, and one for the multi-token-prediction head
+  if the model has one; the last layer is not resharded after its forward
+  pass, as the backward pass starts with it. The root unit holds what is
+  left: the embedding, the (possibly tied) output projection and the final
   norm.
-- ``stack``: the decoder (all layers and the final norm) is one unit, the
-  root holds the embedding and the output projection.
+- ``stack``: the decoder (all layers and the final norm) is one unit (and
+  the multi-token-prediction head another), the root holds the embedding
+  and the output projection.
 - ``model``: the whole model is one unit, not resharded after its forward
   pass.
 
@@ -25,7 +27,9 @@ are then cast with the rest, and the layers warn about it.
 MoE experts are stacked ``(E, 2I, M)`` and ``(E, M, I)`` tensors, so FSDP2's
 first-dimension sharding gives each rank whole experts (``E / sdp_size`` of
 them, the last ranks fewer if ``E`` is not a multiple). Under tensor
-parallelism FSDP2 shards each rank's tensor-parallel shard.
+parallelism FSDP2 shards each rank's tensor-parallel shard. Under expert
+parallelism the experts of each block are a unit of their own, over another
+mesh (:mod:`qwen35_fs2.parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def apply_fsdp_to_qwen35(
         sharded = _apply_units(model, granularity, wrapper)
 
         if ep_experts:
-            _shard_expert_parallel_units(model, sharded, ep_experts, granularity, wrapper)
+            _shard_expert_parallel_units(model, sharded, ep_experts, granularity)
 
     return sharded
 
@@ -94,17 +98,22 @@ def _apply_units(model: TransformerLM, granularity: str, wrapper: FSDPWrapper) -
     for decay in decays:
         keep_fsdp_unit_in_fp32(wrapper(decay, reshard_after_forward=False))
 
+    if granularity == "model":
+        return wrapper(model, reshard_after_forward=False)
+
     if granularity == "layer":
         apply_layerwise_fsdp(model.decoder.layers, wrapper)
-
-        return model
-
-    if granularity == "stack":
+    else:
         model.register_module("decoder", wrapper(model.decoder))
 
-        return model
+    # A unit of its own: gathered only around its passes, not for the whole
+    # step with the root.
+    mtp = find_mtp(model)
 
-    return wrapper(model, reshard_after_forward=False)
+    if mtp is not None:
+        wrapper(mtp)
+
+    return model
 
 
 def _shard_expert_parallel_units(
@@ -112,18 +121,10 @@ def _shard_expert_parallel_units(
     sharded: Module,
     ep_experts: list[tuple[RoutedExperts, ExpertParallelism]],
     granularity: str,
-    wrapper: FSDPWrapper,
 ) -> None:
     """Shards the (detached) ``ep_experts`` as
     :mod:`qwen35_fs2.parallel.expert_parallel` describes, in the policy of
     the model's other units."""
-    # The MTP head is in no unit at `layer` granularity; the root unit, which
-    # fairseq2 wraps last, would broadcast and re-materialize its experts.
-    mtp = find_mtp(model)
-
-    if granularity == "layer" and mtp is not None:
-        wrapper(mtp)
-
     unit = model.decoder.layers[0] if granularity == "layer" else model.decoder if granularity == "stack" else sharded
 
     mp_policy = fsdp_unit_mixed_precision(unit)

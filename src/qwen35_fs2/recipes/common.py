@@ -232,6 +232,13 @@ def setup_expert_parallelism(context: RecipeContext, model: Module, ep_size: int
             f"`gang.expert_parallel_size` ({ep_size}) needs `trainer.data_parallelism: fsdp`, but it is '{trainer.data_parallelism}' instead."
         )
 
+    # At `model` granularity fairseq2 shards the whole model itself, experts
+    # included, over all data-parallel ranks.
+    if trainer.fsdp.granularity not in ("layer", "stack"):
+        raise RecipeError(
+            f"`gang.expert_parallel_size` ({ep_size}) needs `trainer.fsdp.granularity` 'layer' or 'stack', but it is '{trainer.fsdp.granularity}' instead."
+        )
+
     if not has_moe_layers(model):
         raise RecipeError(f"`gang.expert_parallel_size` is {ep_size}, but the model has no MoE layers.")
 
