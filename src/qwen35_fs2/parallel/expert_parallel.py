@@ -154,6 +154,14 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
 
     on_meta = _gather_flags(dp, any(p.is_meta for b in blocks for p in b.experts.parameters()))
 
+    # Rank 0 holds the model; the others receive its experts.
+    from_rank_0 = any(on_meta) and not on_meta[0]
+
+    if on_meta[0] and not all(on_meta):
+        raise ValueError(
+            "The experts must be on the meta device on every rank, on none, or on all but data-parallel rank 0, but are on it on rank 0 and not on others."
+        )
+
     for block in blocks:
         experts = block.experts
 
@@ -178,25 +186,17 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
         for name in ("gate_inner_proj", "output_proj"):
             param: Parameter = getattr(experts, name)
 
-            if not any(on_meta):
-                data = param.detach()
-            elif not on_meta[0]:
-                # Rank 0 holds the model; the others receive its experts.
-                data = param.detach() if dp.rank == 0 else torch.empty_like(param, device=dp.device)
+            data = param.detach()
 
-                dp.broadcast(data, source_rank=0)
+            if from_rank_0:
+                full = data if dp.rank == 0 else torch.empty_like(param, device=dp.device)
 
+                dp.broadcast(full, source_rank=0)
+
+                # fairseq2's wrapper wants the model on one device: the meta
+                # ranks keep their rows aside.
                 if dp.rank != 0:
-                    received[name] = data.index_select(0, rows.to(data.device))
-
-                    # fairseq2's wrapper wants the model on one device.
-                    data = param.detach()
-            elif all(on_meta):
-                data = param.detach()
-            else:
-                raise ValueError(
-                    "The experts must be on the meta device on every rank, on none, or on all but data-parallel rank 0, but are not."
-                )
+                    received[name] = full.index_select(0, rows.to(full.device))
 
             setattr(experts, name, Parameter(data.index_select(0, rows.to(data.device)), requires_grad=param.requires_grad))
 

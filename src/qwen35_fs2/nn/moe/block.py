@@ -47,6 +47,11 @@ class Qwen35MoeBlock(FeedForwardNetwork):
     its :class:`RoutedExperts` shard on the tokens routed to it; the ranks'
     shares of the routed output are summed. Every rank then records the same
     statistics.
+
+    Under expert parallelism (:attr:`expert_parallel`) the rank holds some of
+    those experts, and its tokens' rows are sorted by the place of their
+    expert and exchanged with the ranks that hold them
+    (:mod:`~qwen35_fs2.nn.moe.expert_parallel`).
     """
 
     def __init__(
