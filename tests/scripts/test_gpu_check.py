@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -155,7 +156,13 @@ class TestGpuCheck:
         while _live_processes_with(marker) and time.monotonic() < deadline:
             time.sleep(0.1)
 
-        assert _live_processes_with(marker) == []
+        survivors = _live_processes_with(marker)
+
+        # Not left running when the test fails.
+        for pid in survivors:
+            os.kill(pid, signal.SIGKILL)
+
+        assert survivors == []
 
     def test_configurations_past_the_budget_are_not_run(self, tmp_path: Path) -> None:
         report: dict[str, object] = {"benchmarks": []}
