@@ -104,8 +104,10 @@ class TestGpuCheck:
 
             assert args.shape in run.name and args.backend in run.name
 
-        # The eager configurations first.
-        assert [run.name.endswith("compiled") for run in runs] == [False] * 8 + [True] * 8
+        # Eager ones first, then compiled ones at the real shapes.
+        assert [run.name.split()[-1] for run in runs] == ["eager"] * 8 + ["compiled"] * 8
+
+        assert ["reference" in run.name for run in runs[8:]] == [False] * 4 + [True] * 4
 
     @pytest.mark.slow
     def test_report_records_a_failing_configuration_and_runs_the_others(self, tmp_path: Path) -> None:
