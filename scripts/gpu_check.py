@@ -310,33 +310,53 @@ def run_tests(pytest_args: list[str], junit_path: Path, timeout_s: float) -> dic
     return result
 
 
+# Run in a subprocess: this process must not hold a CUDA context while the
+# tests and benchmarks run (on a GPU in exclusive-process mode they would
+# find it busy).
+_DEVICE_QUERY: Final = """
+import json, torch
+
+device = {"torch": torch.__version__, "cuda_runtime": torch.version.cuda, "available": torch.cuda.is_available()}
+
+if device["available"]:
+    properties = torch.cuda.get_device_properties(0)
+
+    device.update(
+        name=properties.name,
+        compute_capability=f"{properties.major}.{properties.minor}",
+        memory_gib=round(properties.total_memory / 2**30, 1),
+        count=torch.cuda.device_count(),
+    )
+
+print(json.dumps(device))
+"""
+
+
 def cuda_device() -> dict[str, Any]:
     """Returns the visible CUDA device; exits with an error if there is
     none."""
-    import torch
+    query = subprocess.run([sys.executable, "-c", _DEVICE_QUERY], capture_output=True, text=True)
 
-    if torch.version.cuda is None:
+    if query.returncode != 0:
+        raise SystemExit(f"error: `make gpu-check` could not query the CUDA device:\n{_tail(query.stderr)}")
+
+    device: dict[str, Any] = json.loads(query.stdout.strip().splitlines()[-1])
+
+    if device["cuda_runtime"] is None:
         raise SystemExit(
-            f"error: `make gpu-check` needs a CUDA build of PyTorch, but torch {torch.__version__} is built for CPUs only."
+            f"error: `make gpu-check` needs a CUDA build of PyTorch, but torch {device['torch']} is built for CPUs only."
         )
 
-    if not torch.cuda.is_available():
+    if not device.pop("available"):
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
 
         raise SystemExit(
-            f"error: `make gpu-check` needs a CUDA device, but torch {torch.__version__} (CUDA {torch.version.cuda}) sees none (CUDA_VISIBLE_DEVICES: {visible})."
+            f"error: `make gpu-check` needs a CUDA device, but torch {device['torch']} (CUDA {device['cuda_runtime']}) sees none (CUDA_VISIBLE_DEVICES: {visible})."
         )
 
-    properties = torch.cuda.get_device_properties(0)
+    device["driver"] = _nvidia_driver()
 
-    return {
-        "name": properties.name,
-        "compute_capability": f"{properties.major}.{properties.minor}",
-        "memory_gib": round(properties.total_memory / 2**30, 1),
-        "count": torch.cuda.device_count(),
-        "cuda_runtime": torch.version.cuda,
-        "driver": _nvidia_driver(),
-    }
+    return device
 
 
 def _nvidia_driver() -> str | None:
