@@ -13,7 +13,7 @@ ACCELERATE_REFERENCE_VERSION ?= 1.15.0
 
 export FAIRSEQ2_EXTENSION_TRACE := 1
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo gpu-check clean
 
 setup: $(VENV)/.installed $(HF_REFERENCE_DIR)/.installed
 
@@ -43,6 +43,12 @@ test-fast: setup
 
 demo: setup
 	$(BIN)/python -m qwen35_fs2.demo
+
+# On a machine with a CUDA GPU: the CUDA tests and the training-step
+# benchmarks on it, one JSON report (gpu_check_report.json; docs/performance.md,
+# "GPU check"). Options go in GPU_CHECK_ARGS, e.g. GPU_CHECK_ARGS="--only dense".
+gpu-check: setup
+	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(BIN)/python scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -25,6 +25,12 @@ suffers less from other processes.
 Prints one JSON line. Example::
 
     .venv/bin/python benchmarks/train_step_moe.py --threads 2 --rounds 3
+
+The options for GPUs are those of ``train_step.py`` (``--device cuda``,
+``--dtype bf16``, ``--backend fla``, ``--compile``, ``--variants``), with
+``--shape 35b-a3b-4k``: Qwen3.5-35B-A3B's layers (the smallest released MoE
+model), 4 of its 40 so that one GPU holds the fp32 weights and gradients, on
+one sequence of 4,096 tokens.
 """
 
 from __future__ import annotations
@@ -35,11 +41,27 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from typing import Any, TypeAlias
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Final, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
-from train_step import _max_rss_mib, _time_steps, spawn_worker
+from train_step import (
+    _max_rss_mib,
+    _no_sync,
+    _time_steps,
+    add_run_options,
+    causal_attention_flops,
+    check_run_options,
+    compile_stats,
+    prepare_model,
+    run_fields,
+    run_header,
+    spawn_worker,
+    start_cuda_stats,
+    step_context,
+    synchronizer,
+    worker_device,
+)
 
 # The values of `qwen35_fs2.nn.moe.experts.ExpertDispatch`; this module imports
 # neither fairseq2 nor our package at the top, as the reference worker runs
@@ -77,8 +99,33 @@ class MoeBenchConfig:
     expert_dispatch: str = "auto"
 
 
+SHAPES: Final = {
+    "reference": MoeBenchConfig(),
+    # Qwen3.5-35B-A3B (the `qwen35_moe_35b_a3b` architecture) with 4 of its
+    # 40 layers (3 Gated DeltaNet, 1 attention) on one sequence of 4,096
+    # tokens: 4.4B parameters, whose fp32 weights and gradients take 35 GB.
+    "35b-a3b-4k": MoeBenchConfig(
+        model_dim=2048,
+        num_layers=4,
+        num_attn_heads=16,
+        head_dim=256,
+        num_linear_key_heads=16,
+        num_linear_value_heads=32,
+        linear_head_dim=128,
+        num_experts=256,
+        top_k=8,
+        expert_inner_dim=512,
+        shared_expert_inner_dim=512,
+        vocab_size=248_320,
+        batch_size=1,
+        seq_len=4096,
+    ),
+}
+"""The shapes of ``--shape``."""
+
+
 def _time_steps_with_cpu(
-    step: Callable[[], None], num_warmup: int, num_steps: int
+    step: Callable[[], None], num_warmup: int, num_steps: int, sync: Callable[[], None] = _no_sync
 ) -> tuple[list[float], list[float]]:
     """Returns the wall times of ``_time_steps`` and the CPU times (all
     threads) of the same steps; on a shared machine the CPU time is the
@@ -90,38 +137,48 @@ def _time_steps_with_cpu(
 
         step()
 
+        sync()
+
         cpu_times.append(time.process_time() - start)
 
-    times = _time_steps(timed_step, num_warmup, num_steps)
+    times = _time_steps(timed_step, num_warmup, num_steps, sync)
 
     return times, cpu_times[num_warmup:]
 
 
-def _measure(
-    step: Callable[[], None], num_warmup: int, num_steps: int, baseline_rss: float
-) -> WorkerResult:
+def _measure(step: Callable[[], None], args: argparse.Namespace, device: Any, baseline_rss: float) -> WorkerResult:
     """Times the model's ``step`` in wall and CPU time, with its peak memory."""
-    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
+    sync = synchronizer(device)
 
-    return {
+    read_cuda_stats = start_cuda_stats(device)
+
+    # Timed apart from the steps: with `--compile` or fla's autotuning the
+    # first step is mostly compilation.
+    warmup_times, _ = _time_steps_with_cpu(step, 0, args.num_warmup, sync)
+
+    times, cpu_times = _time_steps_with_cpu(step, 0, args.num_steps, sync)
+
+    result: WorkerResult = {
+        "warmup_times": warmup_times,
         "times": times,
         "cpu_times": cpu_times,
         "baseline_rss_mib": baseline_rss,
         "peak_rss_mib": _max_rss_mib(),
+        **read_cuda_stats(),
     }
 
+    if args.compile:
+        result["compile"] = compile_stats()
 
-def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
-    import torch
+    return result
 
-    from fairseq2.nn import BatchLayout
 
+def ours_config(cfg: MoeBenchConfig, backend: str = "torch") -> Any:
+    """Returns the ``Qwen35MoeConfig`` of ``cfg`` with the Gated DeltaNet
+    kernels of ``backend``."""
     from qwen35_fs2.models.qwen35_moe import Qwen35ExpertsConfig, Qwen35MoeConfig
-    from qwen35_fs2.nn import collect_moe_statistics
-    from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
-    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 
-    config = Qwen35MoeConfig(
+    return Qwen35MoeConfig(
         model_dim=cfg.model_dim,
         max_seq_len=cfg.seq_len + 1,
         vocab_size=cfg.vocab_size,
@@ -143,14 +200,33 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
             shared_expert_inner_dim=cfg.shared_expert_inner_dim,
             dispatch=cfg.expert_dispatch,  # type: ignore[arg-type]
         ),
+        gdn_backend=backend,  # type: ignore[arg-type]
     )
+
+
+def _run_ours(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
+    import torch
+
+    from fairseq2.nn import BatchLayout
+
+    from qwen35_fs2.nn import collect_moe_statistics
+    from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
+    from qwen35_fs2.recipes.loss import install_chunked_lm_loss
+
+    config = ours_config(cfg, args.backend)
+
+    device = worker_device(args)
 
     torch.manual_seed(0)
 
-    # The loss the recipes train with.
-    model = install_chunked_lm_loss(create_qwen35_moe_model(config)).train()
+    # On the device, as fairseq2 creates models.
+    with device:
+        model = create_qwen35_moe_model(config)
 
-    seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1))
+    # The loss the recipes train with.
+    model = prepare_model(install_chunked_lm_loss(model).train(), args, device)
+
+    seqs = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), device=device)
 
     inputs, targets = seqs[:, :-1], seqs[:, 1:]
 
@@ -159,22 +235,24 @@ def _run_ours(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRes
     baseline_rss = _max_rss_mib()
 
     def step() -> None:
-        loss = model(inputs, layout, targets, reduction="mean")
+        # The recipes add the load-balancing loss under autocast too.
+        with step_context(args, device):
+            loss = model(inputs, layout, targets, reduction="mean")
 
-        moe_statistics = collect_moe_statistics(model)
+            moe_statistics = collect_moe_statistics(model)
 
-        assert moe_statistics is not None
+            assert moe_statistics is not None
 
-        loss = loss + AUX_LOSS_COEF * moe_statistics.load_balancing_loss
+            loss = loss + AUX_LOSS_COEF * moe_statistics.load_balancing_loss
 
         torch.autograd.backward(loss)
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, num_warmup, num_steps, baseline_rss)
+    return _measure(step, args, device, baseline_rss)
 
 
-def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
+def _run_reference(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
     # transformers calls fla / causal_conv1d whenever importable; they fail on
     # CPU.
     for name in ("fla", "causal_conv1d"):
@@ -211,16 +289,19 @@ def _run_reference(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> Work
 
     input_ids = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len))
 
+    device = torch.device("cpu")
+
     baseline_rss = _max_rss_mib()
 
     def step() -> None:
-        output = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=True)
+        with step_context(args, device):
+            output = model(input_ids=input_ids, labels=input_ids, use_cache=False, output_router_logits=True)
 
         torch.autograd.backward(output.loss)
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, num_warmup, num_steps, baseline_rss)
+    return _measure(step, args, device, baseline_rss)
 
 
 def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
@@ -272,21 +353,47 @@ def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerResult:
+def gemm_flops(cfg: MoeBenchConfig) -> int:
+    """Returns the FLOPs of the GEMMs of :func:`gemm_shapes`, forward and
+    backward (three products of ``2 * rows * input_dim * output_dim``)."""
+    return sum(6 * num_rows * input_dim * output_dim for num_rows, input_dim, output_dim in gemm_shapes(cfg))
+
+
+def model_flops(cfg: MoeBenchConfig) -> int:
+    """Returns the FLOPs of a training step that MFU counts: the GEMMs (the
+    routed experts' of the ``top_k`` experts of every token) and the causal
+    attention of the full-attention layers; as ``train_step.model_flops``."""
+    num_full_layers = sum((idx + 1) % cfg.full_attention_interval == 0 for idx in range(cfg.num_layers))
+
+    attention = causal_attention_flops(
+        num_layers=num_full_layers,
+        num_heads=cfg.num_attn_heads,
+        head_dim=cfg.head_dim,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+    )
+
+    return gemm_flops(cfg) + attention
+
+
+def _run_floor(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
     import torch
+
+    device = worker_device(args)
+
+    # The dtype autocast runs the GEMMs in.
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
     torch.manual_seed(0)
 
     operands = []
 
     for num_rows, input_dim, output_dim in gemm_shapes(cfg):
-        x = torch.randn(num_rows, input_dim)
-        w = torch.randn(output_dim, input_dim)
-        dy = torch.randn(num_rows, output_dim)
+        x = torch.randn(num_rows, input_dim, device=device, dtype=dtype)
+        w = torch.randn(output_dim, input_dim, device=device, dtype=dtype)
+        dy = torch.randn(num_rows, output_dim, device=device, dtype=dtype)
 
         operands.append((x, w, dy))
-
-    flops = sum(6 * x.size(0) * w.size(0) * w.size(1) for x, w, _ in operands)
 
     def step() -> None:
         for x, w, dy in operands:
@@ -294,35 +401,59 @@ def _run_floor(cfg: MoeBenchConfig, num_warmup: int, num_steps: int) -> WorkerRe
             dy @ w  # input gradient
             dy.t() @ x  # weight gradient
 
-    times, cpu_times = _time_steps_with_cpu(step, num_warmup, num_steps)
+    sync = synchronizer(device)
 
-    return {"times": times, "cpu_times": cpu_times, "flops": flops}
+    read_cuda_stats = start_cuda_stats(device)
+
+    warmup_times, _ = _time_steps_with_cpu(step, 0, args.num_warmup, sync)
+
+    times, cpu_times = _time_steps_with_cpu(step, 0, args.num_steps, sync)
+
+    return {
+        "warmup_times": warmup_times,
+        "times": times,
+        "cpu_times": cpu_times,
+        "flops": gemm_flops(cfg),
+        **read_cuda_stats(),
+    }
 
 
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--num-warmup", type=int, default=1)
     parser.add_argument("--num-steps", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
     parser.add_argument("--expert-dispatch", choices=EXPERT_DISPATCHES, default="auto")
     parser.add_argument("--rounds", type=int, default=1)
+    add_run_options(parser, SHAPES)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
+
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
 
     args = parser.parse_args()
 
-    cfg = MoeBenchConfig(seq_len=args.seq_len, expert_dispatch=args.expert_dispatch)
+    variants = check_run_options(parser, args)
+
+    cfg = replace(SHAPES[args.shape], expert_dispatch=args.expert_dispatch)
+
+    if args.seq_len is not None:
+        cfg = replace(cfg, seq_len=args.seq_len)
 
     if args.worker is not None:
         import torch
 
         torch.set_num_threads(args.threads)
 
-        result = _WORKERS[args.worker](cfg, args.num_warmup, args.num_steps)
+        result = _WORKERS[args.worker](cfg, args)
 
         print(json.dumps(result))
 
@@ -330,13 +461,15 @@ def main() -> None:
 
     num_tokens = cfg.batch_size * cfg.seq_len
 
-    report: dict[str, Any] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds}
-
-    results: dict[str, list[WorkerResult]] = {"floor": [], "ours": [], "reference": []}
+    results: dict[str, list[WorkerResult]] = {variant: [] for variant in variants}
 
     for _ in range(args.rounds):
         for worker, worker_results in results.items():
             worker_results.append(spawn_worker(__file__, worker, args))
+
+    header, peak = run_header(args, (r[0] for r in results.values()))
+
+    report: dict[str, Any] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds, **header}
 
     for worker, worker_results in results.items():
         times = [t for r in worker_results for t in r["times"]]
@@ -362,15 +495,27 @@ def main() -> None:
         if "flops" in result:
             entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)
 
+        flops = result["flops"] if worker == "floor" else model_flops(cfg)
+
+        entry.update(run_fields(result, flops, step_s, peak))
+
         report[worker] = entry
 
-    ours, reference, floor = report["ours"], report["reference"], report["floor"]
+    ours, reference, floor = report.get("ours"), report.get("reference"), report.get("floor")
 
-    report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
-    report["ours_fraction_of_floor"] = round(ours["tokens_per_s"] / floor["tokens_per_s"], 3)
-    report["reference_fraction_of_floor"] = round(reference["tokens_per_s"] / floor["tokens_per_s"], 3)
-    report["cpu_speedup_vs_reference"] = round(reference["cpu_step_s"] / ours["cpu_step_s"], 3)
-    report["ours_cpu_fraction_of_floor"] = round(floor["cpu_step_s"] / ours["cpu_step_s"], 3)
+    if ours is not None and reference is not None:
+        report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
+
+    if floor is not None:
+        for worker, entry in (("ours", ours), ("reference", reference)):
+            if entry is not None:
+                report[f"{worker}_fraction_of_floor"] = round(entry["tokens_per_s"] / floor["tokens_per_s"], 3)
+
+    if ours is not None and reference is not None:
+        report["cpu_speedup_vs_reference"] = round(reference["cpu_step_s"] / ours["cpu_step_s"], 3)
+
+    if ours is not None and floor is not None:
+        report["ours_cpu_fraction_of_floor"] = round(floor["cpu_step_s"] / ours["cpu_step_s"], 3)
 
     print(json.dumps(report))
 
