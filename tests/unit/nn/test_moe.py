@@ -363,6 +363,7 @@ class TestRoutedExperts:
         for leaf, expected_grad in zip(leaves, expected_grads):
             torch.testing.assert_close(leaf.grad, expected_grad)
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("dispatch", ["batched", "loop"])
     def test_operator_passes_opcheck(self, dispatch: ExpertDispatch) -> None:
         generator = torch.Generator().manual_seed(0)
