@@ -2,7 +2,7 @@
 
 One policy for every custom :class:`torch.autograd.Function` of the package
 (the chunked delta rule, the causal convolution, the fused linear cross
-entropy, the MoE expert GEMMs and row gathers):
+entropy, the MoE expert GEMMs and row gathers), and every custom operator:
 
 - Autocast never reaches inside them. Their ``forward`` and ``backward`` run
   with autocast disabled for the device of their tensors
@@ -50,17 +50,24 @@ def autocast_dtype(x: Tensor) -> torch.dtype:
 
 def autocast_free(fn: _F) -> _F:
     """Runs ``fn`` (the ``forward`` or ``backward`` of an autograd function,
-    ``fn(ctx, *args)``) with autocast disabled for the device of the first
-    tensor among ``args``; see the module docstring."""
+    ``fn(ctx, *args)``, or the implementation of a custom operator) with
+    autocast disabled for the device of its first tensor argument; see the
+    module docstring.
+
+    Custom operators need it as much: the dispatcher passes them through
+    autocast without disabling it, so the operations inside would be cast
+    again."""
 
     @functools.wraps(fn)
-    def wrapper(ctx: Any, *args: Any) -> Any:
-        device_type = next((a.device.type for a in args if isinstance(a, Tensor)), None)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        tensors = (a for a in (*args, *kwargs.values()) if isinstance(a, Tensor))
+
+        device_type = next((t.device.type for t in tensors), None)
 
         if device_type is None or not torch.is_autocast_enabled(device_type):
-            return fn(ctx, *args)
+            return fn(*args, **kwargs)
 
         with torch.autocast(device_type, enabled=False):
-            return fn(ctx, *args)
+            return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]

@@ -86,9 +86,15 @@ def _resolve(
 
 
 @cache
+@torch.compiler.assume_constant_result
 def fla_unavailable_reason() -> str | None:
     """Returns why fla-core cannot be used, or ``None`` if it can. Imports
-    fla (slow) on the first call only."""
+    fla (slow) on the first call only.
+
+    Under ``torch.compile`` it runs once as the graph is traced and its
+    result is a constant of the graph; dynamo would otherwise trace into the
+    import, and break the graph there. (Dynamo looks through ``cache`` to
+    the function it wraps, which carries the mark.)"""
     try:
         fla = importlib.import_module("fla")
 
@@ -119,8 +125,10 @@ def fla_unavailable_reason() -> str | None:
 
 
 @cache
+@torch.compiler.assume_constant_result
 def has_causal_conv1d() -> bool:
-    """Returns ``True`` if Dao-AILab's ``causal_conv1d`` CUDA package imports.
+    """Returns ``True`` if Dao-AILab's ``causal_conv1d`` CUDA package imports;
+    a constant of ``torch.compile`` graphs, as :func:`fla_unavailable_reason`.
 
     An installed package that fails to import (e.g. a build for another
     PyTorch ABI) is logged with its reason instead of passing for absent.

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from qwen35_fs2.ops import fla_ops
 from qwen35_fs2.ops.backend import has_causal_conv1d
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
@@ -40,14 +41,38 @@ def fla_gated_delta_rule(
     use_qk_l2norm: bool,
 ) -> tuple[Tensor, Tensor | None]:
     """Runs fla's chunked kernel, or its fused recurrent one to decode a single
-    token without gradients (it has no backward)."""
+    token without gradients (it has no backward).
+
+    Under ``torch.compile``, runs the chunked kernel as the
+    ``qwen35_fs2::fla_chunk_gated_delta_rule`` operator, which dynamo does
+    not trace into."""
+    if initial_state is not None:
+        initial_state = initial_state.float()
+
+    if torch.compiler.is_compiling():
+        if scale is None:
+            scale = q.size(-1) ** -0.5
+
+        o, final_state, _, _ = fla_ops.fla_chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            initial_state,
+            None if varlen is None else varlen.cu_seqlens,
+            None if varlen is None else varlen.cu_seqlens_cpu,
+            scale,
+            output_final_state,
+            use_qk_l2norm,
+        )
+
+        return o, final_state if output_final_state else None
+
     from fla.ops.gated_delta_rule import (  # type: ignore[import-untyped]
         chunk_gated_delta_rule,
         fused_recurrent_gated_delta_rule,
     )
-
-    if initial_state is not None:
-        initial_state = initial_state.float()
 
     decoding = q.size(1) == 1 and not (
         torch.is_grad_enabled()
@@ -98,25 +123,44 @@ def fla_causal_conv1d(
 
     Our states hold the last ``W - 1`` inputs ``[N, D, W - 1]``; fla's hold
     ``W`` of them ``[N, D, W]`` and never read the first.
+
+    Under ``torch.compile``, fla's kernel runs as the
+    ``qwen35_fs2::fla_causal_conv1d`` operator, which dynamo does not trace
+    into; ``causal_conv1d_fn`` is traced as it is (recent causal-conv1d
+    releases register their kernels as operators themselves; not tried
+    without a GPU).
     """
     if initial_state is None and not output_final_state and has_causal_conv1d():
         return _dao_causal_conv1d(x, weight, activation, varlen), None
 
-    from fla.modules.causal_conv1d import causal_conv1d  # type: ignore[import-untyped]
-
     if initial_state is not None:
         initial_state = F.pad(initial_state.to(x.dtype), (1, 0))
 
-    y, final_state = causal_conv1d(
-        x,
-        weight,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        activation=activation,
-        backend="triton",
-        cu_seqlens=None if varlen is None else varlen.cu_seqlens,
-        cu_seqlens_cpu=None if varlen is None else varlen.cu_seqlens_cpu,
-    )
+    cu_seqlens = None if varlen is None else varlen.cu_seqlens
+    cu_seqlens_cpu = None if varlen is None else varlen.cu_seqlens_cpu
+
+    final_state: Tensor | None
+
+    if torch.compiler.is_compiling():
+        y, final_state = fla_ops.fla_causal_conv1d(
+            x, weight, initial_state, cu_seqlens, cu_seqlens_cpu, activation, output_final_state
+        )
+
+        if not output_final_state:
+            final_state = None
+    else:
+        from fla.modules.causal_conv1d import causal_conv1d  # type: ignore[import-untyped]
+
+        y, final_state = causal_conv1d(
+            x,
+            weight,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            activation=activation,
+            backend="triton",
+            cu_seqlens=cu_seqlens,
+            cu_seqlens_cpu=cu_seqlens_cpu,
+        )
 
     if final_state is not None:
         final_state = final_state[..., 1:].contiguous()
@@ -147,7 +191,13 @@ def _dao_causal_conv1d(
 
 
 def fla_gated_rms_norm(x: Tensor, gate: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Runs fla's fused gated RMSNorm (``FusedRMSNormGated``'s function)."""
+    """Runs fla's fused gated RMSNorm (``FusedRMSNormGated``'s function); as
+    the ``qwen35_fs2::fla_gated_rms_norm`` operator under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        y, _ = fla_ops.fla_gated_rms_norm(x, gate, weight, eps)
+
+        return y
+
     from fla.modules.fused_norm_gate import rms_norm_gated  # type: ignore[import-untyped]
 
     y: Tensor = rms_norm_gated(x, gate, weight, None, activation="silu", eps=eps)

@@ -110,7 +110,9 @@ class VarlenMetadata:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens_cpu[-1])
+        # From the host integers: under `torch.compile`, reading a tensor
+        # element would break the graph.
+        return sum(self.lengths)
 
     def derived(self, key: Hashable, make: Callable[[], _T]) -> _T:
         """Returns what ``make`` derives from these offsets, made on the first

@@ -334,6 +334,61 @@ class TestRoutedExperts:
         for name, grad in _grads(looped).items():
             torch.testing.assert_close(_grads(batched)[name], grad, msg=name)
 
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_operator_matches_the_eager_path(self, dispatch: ExpertDispatch) -> None:
+        # Under `torch.compile` the experts run as `qwen35_fs2::swiglu_experts`.
+        torch.manual_seed(0)
+
+        experts = RoutedExperts(5, MODEL_DIM, 8, dispatch=dispatch, init_fn=_normal)
+
+        tokens_per_expert = torch.tensor([3, 0, 7, 1, 0])
+
+        seqs = torch.randn(11, MODEL_DIM, requires_grad=True)
+
+        leaves = [t.detach().clone().requires_grad_() for t in (seqs, experts.gate_inner_proj, experts.output_proj)]
+
+        expected = experts(seqs, tokens_per_expert)
+
+        output, _ = torch.ops.qwen35_fs2.swiglu_experts(*leaves, tokens_per_expert, dispatch)
+
+        torch.testing.assert_close(output, expected)
+
+        cotangent = torch.randn_like(output)
+
+        torch.autograd.backward((expected * cotangent).sum())
+        torch.autograd.backward((output * cotangent).sum())
+
+        expected_grads = [seqs.grad, experts.gate_inner_proj.grad, experts.output_proj.grad]
+
+        for leaf, expected_grad in zip(leaves, expected_grads):
+            torch.testing.assert_close(leaf.grad, expected_grad)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_operator_passes_opcheck(self, dispatch: ExpertDispatch) -> None:
+        generator = torch.Generator().manual_seed(0)
+
+        def randn(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator).requires_grad_()
+
+        tokens_per_expert = torch.tensor([3, 0, 7, 1, 0])
+
+        seqs, gate_inner_proj, output_proj = randn(11, MODEL_DIM), randn(5, 16, MODEL_DIM), randn(5, MODEL_DIM, 8)
+
+        torch.library.opcheck(
+            torch.ops.qwen35_fs2.swiglu_experts.default,
+            (seqs, gate_inner_proj, output_proj, tokens_per_expert, dispatch),
+        )
+
+        _, gate_inner = torch.ops.qwen35_fs2.swiglu_experts(
+            seqs, gate_inner_proj, output_proj, tokens_per_expert, dispatch
+        )
+
+        torch.library.opcheck(
+            torch.ops.qwen35_fs2.swiglu_experts_backward.default,
+            (torch.randn(11, MODEL_DIM), seqs.detach(), gate_inner, gate_inner_proj.detach(), output_proj.detach(), tokens_per_expert, dispatch),
+        )
+
     def test_auto_dispatch_pads_only_moderately_unbalanced_groups(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8)
 

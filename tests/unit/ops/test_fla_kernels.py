@@ -4,13 +4,17 @@ on the CPU under Triton's interpreter (fp32 and small shapes there; see
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
 
 from fla_interpreter import fla_test_device
 from qwen35_fs2.ops import causal_conv1d, gated_delta_rule, gated_rms_norm, resolve_gdn_backend
+from qwen35_fs2.ops import fla_ops
 from qwen35_fs2.ops.backend import fla_unavailable_reason
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 from .helpers import DeltaRuleInputs, assert_close, cu_seqlens_of, make_delta_rule_inputs
 
@@ -71,13 +75,20 @@ def tolerance(name: str, dtype: torch.dtype) -> float:
 
 
 def run_with_grads(
-    backend: str, inputs: DeltaRuleInputs, initial_state: Tensor, do: Tensor, dht: Tensor, **kwargs: object
+    backend: str,
+    inputs: DeltaRuleInputs,
+    initial_state: Tensor,
+    do: Tensor,
+    dht: Tensor,
+    *,
+    kernel: Callable[..., tuple[Tensor, Tensor | None]] = gated_delta_rule,
+    **kwargs: object,
 ) -> dict[str, Tensor]:
     leaves = inputs.leaves()
 
     h0 = initial_state.detach().clone().requires_grad_()
 
-    o, ht = gated_delta_rule(
+    o, ht = kernel(
         *leaves.tensors(), backend=backend, initial_state=h0, output_final_state=True, **kwargs  # type: ignore[arg-type]
     )
 
@@ -243,3 +254,140 @@ class TestFlaBackend:
 
         for name, expected in results["torch"].items():
             assert_close(name, expected, results["fla"][name], ratio)
+
+
+# Compiled and eager runs of the same fla kernels: equal under the
+# interpreter; on CUDA, fla's backward accumulates some gradients with
+# atomics.
+COMPILED_RATIO = 1e-3 if ON_CUDA else 1e-6
+
+# Opcheck runs each operator a dozen times: the interpreter runs one chunk.
+OPCHECK_LENGTHS = [5, 15]
+
+
+class TestFlaOperators:
+    """fla's kernels as the ``qwen35_fs2`` custom operators that the wrappers
+    run under ``torch.compile``."""
+
+    @pytest.mark.slow
+    def test_compiled_gated_delta_rule_matches_eager(self) -> None:
+        # Packed, with initial and final states: every input and output of
+        # the operators.
+        lengths = [3, 70, 7]
+
+        inputs = to_device(make_delta_rule_inputs(1, sum(lengths), 2, 4, 16, 16, max_decay=16.0, seed=60), torch.float32)
+
+        gen = torch.Generator().manual_seed(61)
+
+        h0 = torch.randn(len(lengths), 4, 16, 16, generator=gen).to(DEVICE)
+        do = torch.randn(1, sum(lengths), 4, 16, generator=gen).to(DEVICE)
+        dht = torch.randn(len(lengths), 4, 16, 16, generator=gen).to(DEVICE)
+
+        assert DEVICE is not None
+
+        varlen = VarlenMetadata(cu_seqlens_of(lengths).tolist(), DEVICE)
+
+        expected = run_with_grads("fla", inputs, h0, do, dht, cu_seqlens=varlen)
+
+        torch._dynamo.reset()
+
+        compiled = torch.compile(gated_delta_rule, backend="aot_eager", fullgraph=True)
+
+        actual = run_with_grads("fla", inputs, h0, do, dht, kernel=compiled, cu_seqlens=varlen)
+
+        for name, value in expected.items():
+            assert_close(name, value, actual[name], COMPILED_RATIO)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("with_states", [False, True], ids=["stateless", "with-states"])
+    def test_compiled_causal_conv1d_matches_eager(self, with_states: bool) -> None:
+        lengths = [1, 3, 4, 40, 2]
+
+        assert DEVICE is not None
+
+        varlen = VarlenMetadata(cu_seqlens_of(lengths).tolist(), DEVICE)
+
+        gen = torch.Generator().manual_seed(62)
+
+        x = torch.randn(1, sum(lengths), 24, generator=gen).to(DEVICE)
+        weight = torch.randn(24, 4, generator=gen).to(DEVICE)
+        h0 = torch.randn(len(lengths), 24, 3, generator=gen).to(DEVICE) if with_states else None
+        dy = torch.randn(1, sum(lengths), 24, generator=gen).to(DEVICE)
+        dht = torch.randn(len(lengths), 24, 3, generator=gen).to(DEVICE)
+
+        def conv(x: Tensor, weight: Tensor, h0: Tensor | None) -> tuple[Tensor, Tensor | None]:
+            return causal_conv1d(
+                x, weight, initial_state=h0, output_final_state=with_states, cu_seqlens=varlen, backend="fla"
+            )
+
+        torch._dynamo.reset()
+
+        results = []
+
+        for kernel in (conv, torch.compile(conv, backend="aot_eager", fullgraph=True)):
+            leaves = [None if t is None else t.detach().clone().requires_grad_() for t in (x, weight, h0)]
+
+            y, ht = kernel(*leaves)  # type: ignore[arg-type]
+
+            assert (ht is not None) == with_states
+
+            torch.autograd.backward([y] if ht is None else [y, ht], [dy] if ht is None else [dy, dht])
+
+            results.append({"y": y, "ht": ht, **{f"d{i}": t.grad for i, t in enumerate(leaves) if t is not None}})
+
+        for name, expected in results[0].items():
+            if expected is not None:
+                assert_close(name, expected, results[1][name], COMPILED_RATIO)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("packed", [False, True], ids=["batch-2", "packed-with-states"])
+    def test_gated_delta_rule_operator_passes_opcheck(self, packed: bool) -> None:
+        lengths = OPCHECK_LENGTHS
+
+        batch_size, seq_len = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
+
+        inputs = to_device(make_delta_rule_inputs(batch_size, seq_len, 1, 2, 16, 16, seed=63), torch.float32).leaves()
+
+        assert DEVICE is not None
+
+        if packed:
+            varlen = VarlenMetadata(cu_seqlens_of(lengths).tolist(), DEVICE)
+
+            h0 = torch.randn(len(lengths), 2, 16, 16, device=DEVICE, requires_grad=True)
+
+            args = (*inputs.tensors(), h0, varlen.cu_seqlens, varlen.cu_seqlens_cpu, 0.25, True, True)
+        else:
+            args = (*inputs.tensors(), None, None, None, 0.25, False, True)
+
+        torch.library.opcheck(fla_ops.fla_chunk_gated_delta_rule, args)
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("packed", [False, True], ids=["batch-2", "packed-with-states"])
+    def test_causal_conv1d_operator_passes_opcheck(self, packed: bool) -> None:
+        lengths = OPCHECK_LENGTHS
+
+        batch_size, seq_len = (1, sum(lengths)) if packed else (len(lengths), max(lengths))
+
+        x = torch.randn(batch_size, seq_len, 24, device=DEVICE, requires_grad=True)
+        weight = torch.randn(24, 4, device=DEVICE, requires_grad=True)
+
+        if packed:
+            assert DEVICE is not None
+
+            varlen = VarlenMetadata(cu_seqlens_of(lengths).tolist(), DEVICE)
+
+            # fla's states hold W inputs.
+            h0 = torch.randn(len(lengths), 24, 4, device=DEVICE, requires_grad=True)
+
+            args = (x, weight, h0, varlen.cu_seqlens, varlen.cu_seqlens_cpu, "silu", True)
+        else:
+            args = (x, weight, None, None, None, "silu", False)
+
+        torch.library.opcheck(fla_ops.fla_causal_conv1d, args)
+
+    def test_gated_rms_norm_operator_passes_opcheck(self) -> None:
+        x = torch.randn(2, 7, 4, 16, device=DEVICE, requires_grad=True)
+        gate = torch.randn(2, 7, 4, 16, device=DEVICE, requires_grad=True)
+        weight = torch.rand(16, device=DEVICE, requires_grad=True)
+
+        torch.library.opcheck(fla_ops.fla_gated_rms_norm, (x, gate, weight, 1e-6))

@@ -126,7 +126,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         # The position of each slot in the sorted order.
         slot_positions = sorted_slots.argsort()
 
-        tokens_per_place = torch.bincount(slot_places, minlength=self.experts.num_experts)
+        tokens_per_place = _count_per_expert(slot_places, self.experts.num_experts)
 
         # Under tensor parallelism each rank computes its experts' share of
         # `routed`, so its gradients of `x` and of the routing weights are
@@ -206,7 +206,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
             router_prob_sums = probs.sum(dim=0)
 
             with torch.no_grad():
-                tokens_per_expert = torch.bincount(slot_experts, minlength=num_experts).float()
+                tokens_per_expert = _count_per_expert(slot_experts, num_experts).float()
 
                 num_tokens = probs.new_tensor(float(probs.size(0)))
         else:
@@ -239,3 +239,14 @@ def _token_mask(seqs: Tensor, seqs_layout: BatchLayout | None) -> Tensor | None:
 
     # (N, S) -> (T)
     return (positions >= 0).flatten()
+
+
+def _count_per_expert(slot_experts: Tensor, num_experts: int) -> Tensor:
+    """Counts the slots of each expert, ``(E,)``.
+
+    A scatter-add, not ``torch.bincount``: the output size of ``bincount``
+    depends on the largest index, which breaks a ``torch.compile`` graph.
+    """
+    counts = slot_experts.new_zeros((num_experts,))
+
+    return counts.scatter_add_(0, slot_experts, torch.ones_like(slot_experts))

@@ -130,7 +130,23 @@ class RoutedExperts(Module, Sharded):
         if self._use_grouped_mm(seqs):
             return self._forward_grouped_mm(seqs, tokens_per_expert)
 
-        # Host integers: both fallbacks need the group bounds.
+        dtype = autocast_dtype(seqs)
+
+        seqs = seqs.to(dtype)
+
+        gate_inner_proj = self._weight("gate_inner_proj").to(dtype)
+        output_proj = self._weight("output_proj").to(dtype)
+
+        # Both fallbacks need the group bounds as host integers, which a
+        # traced graph cannot hold: compiled, the experts run as one opaque
+        # operator that reads them itself.
+        if torch.compiler.is_compiling():
+            output, _ = torch.ops.qwen35_fs2.swiglu_experts(
+                seqs, gate_inner_proj, output_proj, tokens_per_expert, self.dispatch
+            )
+
+            return output  # type: ignore[no-any-return]
+
         group_sizes = tokens_per_expert.tolist()
 
         function: type[_BatchedSwiGLUExperts | _LoopedSwiGLUExperts]
@@ -140,16 +156,9 @@ class RoutedExperts(Module, Sharded):
         else:
             function = _LoopedSwiGLUExperts
 
-        dtype = autocast_dtype(seqs)
+        output = function.apply(seqs, gate_inner_proj, output_proj, group_sizes)  # type: ignore[no-untyped-call]
 
-        output: Tensor = function.apply(  # type: ignore[no-untyped-call]
-            seqs.to(dtype),
-            self._weight("gate_inner_proj").to(dtype),
-            self._weight("output_proj").to(dtype),
-            group_sizes,
-        )
-
-        return output
+        return output  # type: ignore[no-any-return]
 
     def _weight(self, name: str) -> Tensor:
         """Returns the stacked weight ``name``, updated by its LoRA adapter
@@ -180,18 +189,7 @@ class RoutedExperts(Module, Sharded):
     def resolve_fallback(self, group_sizes: list[int]) -> Literal["batched", "loop"]:
         """Returns the path :meth:`forward` takes where ``grouped_mm`` cannot
         run, for experts receiving ``group_sizes`` tokens."""
-        if self.dispatch == "loop":
-            return "loop"
-
-        if self.dispatch == "batched":
-            return "batched"
-
-        num_padded_rows = len(group_sizes) * max(group_sizes, default=0)
-
-        if num_padded_rows <= (1.0 + _MAX_BATCHED_PADDING) * sum(group_sizes):
-            return "batched"
-
-        return "loop"
+        return _resolve_fallback(self.dispatch, group_sizes)
 
     def _grouped_mm_unsupported_reason(self, seqs: Tensor) -> str | None:
         if not hasattr(torch, "_grouped_mm"):
@@ -250,6 +248,21 @@ class RoutedExperts(Module, Sharded):
         return s
 
 
+def _resolve_fallback(dispatch: str, group_sizes: list[int]) -> Literal["batched", "loop"]:
+    if dispatch == "loop":
+        return "loop"
+
+    if dispatch == "batched":
+        return "batched"
+
+    num_padded_rows = len(group_sizes) * max(group_sizes, default=0)
+
+    if num_padded_rows <= (1.0 + _MAX_BATCHED_PADDING) * sum(group_sizes):
+        return "batched"
+
+    return "loop"
+
+
 class _LoopedSwiGLUExperts(torch.autograd.Function):
     """The SwiGLU experts on tokens sorted by expert, one GEMM per expert and
     projection, each writing into one output buffer.
@@ -271,19 +284,7 @@ class _LoopedSwiGLUExperts(torch.autograd.Function):
     ) -> Tensor:
         groups = _group_bounds(group_sizes)
 
-        # (T_r, M) @ (M, 2I) per expert -> (T_r, 2I)
-        gate_inner = seqs.new_empty((seqs.size(0), gate_inner_proj.size(1)))
-
-        for expert_idx, (start, end) in groups:
-            torch.mm(seqs[start:end], gate_inner_proj[expert_idx].t(), out=gate_inner[start:end])
-
-        hidden = _swiglu(gate_inner)
-
-        # (T_r, I) @ (I, M) per expert -> (T_r, M)
-        output = seqs.new_empty((seqs.size(0), output_proj.size(1)))
-
-        for expert_idx, (start, end) in groups:
-            torch.mm(hidden[start:end], output_proj[expert_idx].t(), out=output[start:end])
+        output, gate_inner = _looped_forward(seqs, gate_inner_proj, output_proj, groups)
 
         # `hidden` is recomputed from `gate_inner` in the backward pass.
         ctx.save_for_backward(seqs, gate_inner, gate_inner_proj, output_proj)
@@ -298,36 +299,70 @@ class _LoopedSwiGLUExperts(torch.autograd.Function):
     def backward(
         ctx: Any, grad_output: Tensor
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
-        seqs, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
+        grads = _looped_backward(grad_output, *ctx.saved_tensors, ctx.groups)
 
-        groups = ctx.groups
+        return *grads, None
 
-        grad_output = grad_output.contiguous()
 
-        silu_gate, hidden = _swiglu_parts(gate_inner)
+def _looped_forward(
+    seqs: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    groups: list[tuple[int, tuple[int, int]]],
+) -> tuple[Tensor, Tensor]:
+    """Returns the output and the gate/inner pre-activations ``(T_r, 2I)``."""
+    # (T_r, M) @ (M, 2I) per expert -> (T_r, 2I)
+    gate_inner = seqs.new_empty((seqs.size(0), gate_inner_proj.size(1)))
 
-        grad_hidden = torch.empty_like(hidden)
+    for expert_idx, (start, end) in groups:
+        torch.mm(seqs[start:end], gate_inner_proj[expert_idx].t(), out=gate_inner[start:end])
 
-        # Experts without tokens get zero gradients.
-        grad_output_proj = torch.zeros_like(output_proj)
+    hidden = _swiglu(gate_inner)
 
-        for expert_idx, (start, end) in groups:
-            torch.mm(grad_output[start:end], output_proj[expert_idx], out=grad_hidden[start:end])
+    # (T_r, I) @ (I, M) per expert -> (T_r, M)
+    output = seqs.new_empty((seqs.size(0), output_proj.size(1)))
 
-            torch.mm(grad_output[start:end].t(), hidden[start:end], out=grad_output_proj[expert_idx])
+    for expert_idx, (start, end) in groups:
+        torch.mm(hidden[start:end], output_proj[expert_idx].t(), out=output[start:end])
 
-        grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
+    return output, gate_inner
 
-        grad_seqs = torch.empty_like(seqs)
 
-        grad_gate_inner_proj = torch.zeros_like(gate_inner_proj)
+def _looped_backward(
+    grad_output: Tensor,
+    seqs: Tensor,
+    gate_inner: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    groups: list[tuple[int, tuple[int, int]]],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns the gradients of ``seqs`` and of the stacked weights."""
+    grad_output = grad_output.contiguous()
 
-        for expert_idx, (start, end) in groups:
-            torch.mm(grad_gate_inner[start:end], gate_inner_proj[expert_idx], out=grad_seqs[start:end])
+    silu_gate, hidden = _swiglu_parts(gate_inner)
 
-            torch.mm(grad_gate_inner[start:end].t(), seqs[start:end], out=grad_gate_inner_proj[expert_idx])
+    grad_hidden = torch.empty_like(hidden)
 
-        return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
+    # Experts without tokens get zero gradients.
+    grad_output_proj = torch.zeros_like(output_proj)
+
+    for expert_idx, (start, end) in groups:
+        torch.mm(grad_output[start:end], output_proj[expert_idx], out=grad_hidden[start:end])
+
+        torch.mm(grad_output[start:end].t(), hidden[start:end], out=grad_output_proj[expert_idx])
+
+    grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
+
+    grad_seqs = torch.empty_like(seqs)
+
+    grad_gate_inner_proj = torch.zeros_like(gate_inner_proj)
+
+    for expert_idx, (start, end) in groups:
+        torch.mm(grad_gate_inner[start:end], gate_inner_proj[expert_idx], out=grad_seqs[start:end])
+
+        torch.mm(grad_gate_inner[start:end].t(), seqs[start:end], out=grad_gate_inner_proj[expert_idx])
+
+    return grad_seqs, grad_gate_inner_proj, grad_output_proj
 
 
 class _BatchedSwiGLUExperts(torch.autograd.Function):
@@ -349,20 +384,12 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
         output_proj: Tensor,
         group_sizes: list[int],
     ) -> Tensor:
-        num_experts = len(group_sizes)
-
-        capacity = max(group_sizes)
-
-        rows, pad_rows = _padded_rows(group_sizes, capacity, seqs.device)
+        rows, pad_rows = _padded_rows(group_sizes, seqs.device)
 
         # (T_r, M) -> (E, C, M)
-        padded_seqs = _pad_rows(seqs, rows, pad_rows).view(num_experts, capacity, -1)
+        padded_seqs = _pad_rows(seqs, rows, pad_rows, len(group_sizes))
 
-        # (E, C, M) @ (E, M, 2I) -> (E, C, 2I)
-        gate_inner = torch.bmm(padded_seqs, gate_inner_proj.transpose(1, 2))
-
-        # (E, C, I) @ (E, I, M) -> (E, C, M)
-        output = torch.bmm(_swiglu(gate_inner), output_proj.transpose(1, 2))
+        output, gate_inner = _batched_forward(padded_seqs, gate_inner_proj, output_proj)
 
         ctx.save_for_backward(padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj)
 
@@ -378,30 +405,182 @@ class _BatchedSwiGLUExperts(torch.autograd.Function):
         padded_seqs, rows, pad_rows, gate_inner, gate_inner_proj, output_proj = ctx.saved_tensors
 
         # (T_r, M) -> (E, C, M)
-        grad_output = _pad_rows(grad_output, rows, pad_rows).view(padded_seqs.shape)
+        grad_output = _pad_rows(grad_output, rows, pad_rows, padded_seqs.size(0))
 
-        silu_gate, hidden = _swiglu_parts(gate_inner)
+        grad_seqs, grad_gate_inner_proj, grad_output_proj = _batched_backward(
+            grad_output, padded_seqs, gate_inner, gate_inner_proj, output_proj
+        )
 
-        # (E, C, M) @ (E, M, I) -> (E, C, I)
-        grad_hidden = torch.bmm(grad_output, output_proj)
-
-        # (E, M, C) @ (E, C, I) -> (E, M, I)
-        grad_output_proj = torch.bmm(grad_output.transpose(1, 2), hidden)
-
-        grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
-
-        # (E, 2I, C) @ (E, C, M) -> (E, 2I, M)
-        grad_gate_inner_proj = torch.bmm(grad_gate_inner.transpose(1, 2), padded_seqs)
-
-        # (E, C, 2I) @ (E, 2I, M) -> (E, C, M) -> (T_r, M)
-        grad_seqs = torch.bmm(grad_gate_inner, gate_inner_proj).flatten(0, 1).index_select(0, rows)
+        # (E, C, M) -> (T_r, M)
+        grad_seqs = grad_seqs.flatten(0, 1).index_select(0, rows)
 
         return grad_seqs, grad_gate_inner_proj, grad_output_proj, None
 
 
-def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> tuple[Tensor, Tensor]:
+def _batched_forward(
+    padded_seqs: Tensor, gate_inner_proj: Tensor, output_proj: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Returns the output ``(E, C, M)`` and the gate/inner pre-activations
+    ``(E, C, 2I)`` of the padded groups."""
+    # (E, C, M) @ (E, M, 2I) -> (E, C, 2I)
+    gate_inner = torch.bmm(padded_seqs, gate_inner_proj.transpose(1, 2))
+
+    # (E, C, I) @ (E, I, M) -> (E, C, M)
+    output = torch.bmm(_swiglu(gate_inner), output_proj.transpose(1, 2))
+
+    return output, gate_inner
+
+
+def _batched_backward(
+    grad_output: Tensor,
+    padded_seqs: Tensor,
+    gate_inner: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns the gradients of the padded groups ``(E, C, M)`` and of the
+    stacked weights."""
+    silu_gate, hidden = _swiglu_parts(gate_inner)
+
+    # (E, C, M) @ (E, M, I) -> (E, C, I)
+    grad_hidden = torch.bmm(grad_output, output_proj)
+
+    # (E, M, C) @ (E, C, I) -> (E, M, I)
+    grad_output_proj = torch.bmm(grad_output.transpose(1, 2), hidden)
+
+    grad_gate_inner = _swiglu_backward(gate_inner, silu_gate, grad_hidden)
+
+    # (E, 2I, C) @ (E, C, M) -> (E, 2I, M)
+    grad_gate_inner_proj = torch.bmm(grad_gate_inner.transpose(1, 2), padded_seqs)
+
+    # (E, C, 2I) @ (E, 2I, M) -> (E, C, M)
+    grad_seqs = torch.bmm(grad_gate_inner, gate_inner_proj)
+
+    return grad_seqs, grad_gate_inner_proj, grad_output_proj
+
+
+@torch.library.custom_op("qwen35_fs2::swiglu_experts", mutates_args=())
+@autocast_free
+def _swiglu_experts(
+    seqs: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    tokens_per_expert: Tensor,
+    dispatch: str,
+) -> tuple[Tensor, Tensor]:
+    """The fallbacks of :meth:`RoutedExperts.forward` as one operator, for
+    ``torch.compile``: it reads the group sizes on the host itself, where a
+    traced graph cannot.
+
+    :returns: The output ``(T_r, M)`` and the gate/inner pre-activations
+        ``(T_r, 2I)``, which the backward pass needs.
+    """
+    group_sizes = tokens_per_expert.tolist()
+
+    if _resolve_fallback(dispatch, group_sizes) == "loop":
+        return _looped_forward(seqs, gate_inner_proj, output_proj, _group_bounds(group_sizes))
+
+    rows, pad_rows = _padded_rows(group_sizes, seqs.device)
+
+    padded_seqs = _pad_rows(seqs, rows, pad_rows, len(group_sizes))
+
+    output, gate_inner = _batched_forward(padded_seqs, gate_inner_proj, output_proj)
+
+    return output.flatten(0, 1).index_select(0, rows), gate_inner.flatten(0, 1).index_select(0, rows)
+
+
+@_swiglu_experts.register_fake
+def _(
+    seqs: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    tokens_per_expert: Tensor,
+    dispatch: str,
+) -> tuple[Tensor, Tensor]:
+    num_rows = seqs.size(0)
+
+    return seqs.new_empty((num_rows, output_proj.size(1))), seqs.new_empty((num_rows, gate_inner_proj.size(1)))
+
+
+@torch.library.custom_op("qwen35_fs2::swiglu_experts_backward", mutates_args=())
+@autocast_free
+def _swiglu_experts_backward(
+    grad_output: Tensor,
+    seqs: Tensor,
+    gate_inner: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    tokens_per_expert: Tensor,
+    dispatch: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward pass of ``qwen35_fs2::swiglu_experts``: the gradients of
+    ``seqs`` and of the stacked weights."""
+    group_sizes = tokens_per_expert.tolist()
+
+    if _resolve_fallback(dispatch, group_sizes) == "loop":
+        return _looped_backward(
+            grad_output, seqs, gate_inner, gate_inner_proj, output_proj, _group_bounds(group_sizes)
+        )
+
+    rows, pad_rows = _padded_rows(group_sizes, seqs.device)
+
+    num_experts = len(group_sizes)
+
+    grad_seqs, grad_gate_inner_proj, grad_output_proj = _batched_backward(
+        _pad_rows(grad_output, rows, pad_rows, num_experts),
+        _pad_rows(seqs, rows, pad_rows, num_experts),
+        _pad_rows(gate_inner, rows, pad_rows, num_experts),
+        gate_inner_proj,
+        output_proj,
+    )
+
+    return grad_seqs.flatten(0, 1).index_select(0, rows), grad_gate_inner_proj, grad_output_proj
+
+
+@_swiglu_experts_backward.register_fake
+def _(
+    grad_output: Tensor,
+    seqs: Tensor,
+    gate_inner: Tensor,
+    gate_inner_proj: Tensor,
+    output_proj: Tensor,
+    tokens_per_expert: Tensor,
+    dispatch: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(seqs), torch.empty_like(gate_inner_proj), torch.empty_like(output_proj)
+
+
+def _setup_swiglu_experts_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    seqs, gate_inner_proj, output_proj, tokens_per_expert, dispatch = inputs
+
+    _, gate_inner = output
+
+    # An intermediate kept for the backward pass, not a result.
+    ctx.mark_non_differentiable(gate_inner)
+
+    ctx.save_for_backward(seqs, gate_inner, gate_inner_proj, output_proj, tokens_per_expert)
+
+    ctx.dispatch = dispatch
+
+
+def _swiglu_experts_autograd(ctx: Any, grad_output: Tensor, _: Tensor) -> tuple[Tensor | None, ...]:
+    grads = torch.ops.qwen35_fs2.swiglu_experts_backward(
+        grad_output, *ctx.saved_tensors, ctx.dispatch
+    )
+
+    return *grads, None, None
+
+
+_swiglu_experts.register_autograd(
+    _swiglu_experts_autograd, setup_context=_setup_swiglu_experts_context
+)
+
+
+def _padded_rows(group_sizes: list[int], device: Device) -> tuple[Tensor, Tensor]:
     """Returns the row of each sorted token in the experts' groups padded to
-    ``capacity`` rows each, and the padding rows."""
+    the largest group, and the padding rows."""
+    capacity = max(group_sizes)
+
     sizes = torch.tensor(group_sizes, device=device)
 
     group_starts = sizes.cumsum(0) - sizes
@@ -419,13 +598,16 @@ def _padded_rows(group_sizes: list[int], capacity: int, device: Device) -> tuple
     return rows, is_padding.nonzero().squeeze(1)
 
 
-def _pad_rows(x: Tensor, rows: Tensor, pad_rows: Tensor) -> Tensor:
-    """Returns ``x`` at ``rows`` and zeros at ``pad_rows``."""
-    padded = x.new_empty((rows.size(0) + pad_rows.size(0), x.size(-1)))
+def _pad_rows(x: Tensor, rows: Tensor, pad_rows: Tensor, num_experts: int) -> Tensor:
+    """Returns ``x`` ``(T_r, F)`` at ``rows`` and zeros at ``pad_rows``, as
+    groups ``(E, C, F)``."""
+    num_rows = rows.size(0) + pad_rows.size(0)
+
+    padded = x.new_empty((num_rows, x.size(-1)))
 
     padded.index_fill_(0, pad_rows, 0.0)
 
-    return padded.index_copy_(0, rows, x)
+    return padded.index_copy_(0, rows, x).view(num_experts, num_rows // num_experts, -1)
 
 
 def _swiglu(gate_inner: Tensor) -> Tensor:
