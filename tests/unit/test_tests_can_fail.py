@@ -10,7 +10,9 @@ from pathlib import Path
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
-_CHECK_CALLS = frozenset({"raises", "warns", "fail", "deprecated_call"})
+# `torch.library.opcheck` raises at the first check of a custom operator
+# that fails.
+_CHECK_CALLS = frozenset({"raises", "warns", "fail", "deprecated_call", "opcheck"})
 
 
 def _called_name(call: ast.Call) -> str:
@@ -87,7 +89,8 @@ class TestTestsCanFail:
             "def test_checks_through_a_helper():\n    _helper(1)\n\n"
             "def test_raises():\n    with pytest.raises(ValueError):\n        int('x')\n\n"
             "def test_calls_an_assert_function():\n    torch.testing.assert_close(1, 1)\n\n"
+            "def test_checks_an_operator():\n    torch.library.opcheck(op, args)\n\n"
             "def test_checks_nothing():\n    int('1')\n"
         )
 
-        assert find_tests_without_checks(source) == [(14, "test_checks_nothing")]
+        assert find_tests_without_checks(source) == [(17, "test_checks_nothing")]

@@ -2,7 +2,9 @@
 
 One policy for every custom :class:`torch.autograd.Function` of the package
 (the chunked delta rule, the causal convolution, the fused linear cross
-entropy, the MoE expert GEMMs and row gathers), and every custom operator:
+entropy, the MoE expert GEMMs and row gathers), and for the custom
+operators that compute with PyTorch operations (the MoE experts under
+``torch.compile``):
 
 - Autocast never reaches inside them. Their ``forward`` and ``backward`` run
   with autocast disabled for the device of their tensors

@@ -188,7 +188,8 @@ def fla_chunk_gated_delta_rule_backward(
     rather than kept.
 
     :returns: The gradients of ``q``, ``k``, ``v``, ``g``, ``beta`` (in their
-        dtypes) and of the initial states (empty without them).
+        dtypes; ``g``'s in fp32, that of the cumulative decays, as fla's) and
+        of the initial states (empty without them).
     """
     from fla.modules.norm.l2norm import l2norm_bwd, l2norm_fwd  # type: ignore[import-untyped]
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd  # type: ignore[import-untyped]
