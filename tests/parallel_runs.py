@@ -8,6 +8,7 @@ A serial run is left as it is; under pytest-xdist:
   slower;
 - the work units are test files, so that module and session fixtures are
   built once per file, and the SLURM tests are one unit (``xdist_units.py``);
+  the long ones are handed out first;
 - a module marked ``alone`` (a module-level ``pytestmark``) runs with no
   other module beside it: it uses so much of the machine's memory that one
   more test could bring in the kernel's OOM killer. It holds the lock file
@@ -89,6 +90,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(
                 f"`alone` must mark a whole module (its `pytestmark`), but marks {item.nodeid} only instead."
             )
+
+    if hasattr(config, "workerinput"):
+        _put_long_units_first(items)
+
+
+def _put_long_units_first(items: list[pytest.Item]) -> None:
+    """Sorts the work units of a pytest-xdist worker's collection, which is
+    the order the workers take them in: the modules marked ``alone`` first,
+    then the units holding a test marked ``slow``, then those of fast tests
+    only, each group in the order of the collection. The short units then
+    even out the workers' ends; in xdist's order (the units of the most tests
+    first) the long integration modules of a few tests each came last."""
+    from xdist_units import work_unit
+
+    ranks: dict[str, int] = {}
+
+    for item in items:
+        if item.get_closest_marker("alone") is not None:
+            rank = 0
+        elif item.get_closest_marker("slow") is not None:
+            rank = 1
+        else:
+            rank = 2
+
+        unit = work_unit(item.nodeid)
+
+        ranks[unit] = min(ranks.get(unit, rank), rank)
+
+    items.sort(key=lambda item: ranks[work_unit(item.nodeid)])
 
 
 @pytest.fixture(scope="module", autouse=True)

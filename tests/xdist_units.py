@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Final, final
 
+import pytest
 from typing_extensions import override
+from xdist.remote import Producer
 from xdist.scheduler import LoadFileScheduling
 
 ONE_UNIT_DIRS: Final = (
@@ -22,14 +24,28 @@ ONE_UNIT_DIRS: Final = (
 )
 
 
+def work_unit(nodeid: str) -> str:
+    """The unit of the test ``nodeid``: its file, or its directory of
+    :data:`ONE_UNIT_DIRS`."""
+    for directory in ONE_UNIT_DIRS:
+        if nodeid.startswith(directory):
+            return directory
+
+    return nodeid.split("::", 1)[0]
+
+
 @final
 class FileScheduling(LoadFileScheduling):
-    """``--dist loadfile`` with the files of :data:`ONE_UNIT_DIRS` as one unit."""
+    """``--dist loadfile`` with the files of :data:`ONE_UNIT_DIRS` as one
+    unit, handed out in the order of the collection (which
+    ``parallel_runs.py`` sorts), not xdist's (the units of the most tests
+    first)."""
+
+    def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:
+        config.option.loadscopereorder = False
+
+        super().__init__(config, log)
 
     @override
     def _split_scope(self, nodeid: str) -> str:
-        for directory in ONE_UNIT_DIRS:
-            if nodeid.startswith(directory):
-                return directory
-
-        return super()._split_scope(nodeid)
+        return work_unit(nodeid)
