@@ -13,6 +13,12 @@ ACCELERATE_REFERENCE_VERSION ?= 1.15.0
 
 export FAIRSEQ2_EXTENSION_TRACE := 1
 
+# pytest-xdist workers of `make test` and `make test-fast`, each taking a test
+# file at a time (tests/parallel_runs.py); PYTEST_WORKERS=0 runs the tests
+# serially in one process.
+PYTEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+
 .PHONY: setup test test-fast demo gpu-check clean
 
 setup: $(VENV)/.installed $(HF_REFERENCE_DIR)/.installed
@@ -35,11 +41,11 @@ $(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
 	touch $@
 
 test: setup
-	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(BIN)/pytest tests
+	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests
 
 # Everything except the tests marked slow.
 test-fast: setup
-	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(BIN)/pytest tests -m "not slow"
+	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests -m "not slow"
 
 demo: setup
 	$(BIN)/python -m qwen35_fs2.demo

@@ -107,8 +107,10 @@ class Cluster:
 
     def job_env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment a test submits with: this one, minus any QWEN35_*
-        setting of the developer's shell, in CPU mode, with this venv."""
-        env = {k: v for k, v in self.env.items() if not k.startswith("QWEN35_")}
+        setting of the developer's shell and the thread count of the tests
+        (one under pytest-xdist; a job's comes from its CPUs), in CPU mode,
+        with this venv."""
+        env = {k: v for k, v in self.env.items() if not k.startswith("QWEN35_") and k != "OMP_NUM_THREADS"}
         env["QWEN35_DEVICE"] = "cpu"
         env["QWEN35_VENV"] = sys.prefix
         if extra:

@@ -61,7 +61,9 @@ from offline_hub import add_hub_snapshot, offline_hub_env
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
 from recipe_runner import read_metrics, run_recipe
 
-pytestmark = pytest.mark.slow
+# Two ranks of about 9 GiB each of the machine's 24 GiB: nothing else runs
+# beside this module under pytest-xdist.
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 # The real Qwen3.5-0.8B text configuration (transformers names), with 4 of
 # its 24 layers (see the module docstring).
