@@ -193,8 +193,13 @@ class TestGpuCheck:
             "    pytest.skip('no reason')\n"
         )
 
+        # The report names a test by its path from the rootdir, which would
+        # otherwise depend on where the temporary directory lies relative to
+        # the checkout.
         result = gpu_check.run_tests(
-            ["-m", "cuda", "-q", "-p", "no:cacheprovider", str(tmp_path)], tmp_path / "junit.xml", timeout_s=120
+            ["-m", "cuda", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path), str(tmp_path)],
+            tmp_path / "junit.xml",
+            timeout_s=120,
         )
 
         assert result["status"] == "failed" and result["exit_code"] == 1
