@@ -43,7 +43,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -144,6 +144,32 @@ def causal_attention_flops(
     ``2 * S * S * head_dim`` FLOPs a head, halved by the causal mask, and the
     backward pass has two products for each of the forward pass."""
     return 3 * 2 * (2 * seq_len * seq_len * head_dim // 2) * num_heads * batch_size * num_layers
+
+
+class AttentionShape(Protocol):
+    """What :func:`full_attention_flops` reads of a benchmark config, dense
+    or MoE."""
+
+    num_layers: int
+    full_attention_interval: int
+    num_attn_heads: int
+    head_dim: int
+    batch_size: int
+    seq_len: int
+
+
+def full_attention_flops(cfg: AttentionShape) -> int:
+    """Returns :func:`causal_attention_flops` of the full-attention layers of
+    ``cfg`` (every ``full_attention_interval``-th layer)."""
+    num_full_layers = sum((idx + 1) % cfg.full_attention_interval == 0 for idx in range(cfg.num_layers))
+
+    return causal_attention_flops(
+        num_layers=num_full_layers,
+        num_heads=cfg.num_attn_heads,
+        head_dim=cfg.head_dim,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+    )
 
 
 def add_run_options(parser: argparse.ArgumentParser, shapes: Iterable[str]) -> None:
@@ -522,17 +548,7 @@ def model_flops(cfg: BenchConfig) -> int:
     recurrence (about 2 % of the step at the 0.8b-4k shape), the
     convolutions, norms and the softmax are left out, as MFU's "model
     FLOPs" leave out everything but the matrix products."""
-    num_full_layers = sum((idx + 1) % cfg.full_attention_interval == 0 for idx in range(cfg.num_layers))
-
-    attention = causal_attention_flops(
-        num_layers=num_full_layers,
-        num_heads=cfg.num_attn_heads,
-        head_dim=cfg.head_dim,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-    )
-
-    return gemm_flops(cfg) + attention
+    return gemm_flops(cfg) + full_attention_flops(cfg)
 
 
 def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:

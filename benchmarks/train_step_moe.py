@@ -50,7 +50,7 @@ from train_step import (
     _no_sync,
     _time_steps,
     add_run_options,
-    causal_attention_flops,
+    full_attention_flops,
     check_run_options,
     compile_stats,
     prepare_model,
@@ -363,17 +363,7 @@ def model_flops(cfg: MoeBenchConfig) -> int:
     """Returns the FLOPs of a training step that MFU counts: the GEMMs (the
     routed experts' of the ``top_k`` experts of every token) and the causal
     attention of the full-attention layers; as ``train_step.model_flops``."""
-    num_full_layers = sum((idx + 1) % cfg.full_attention_interval == 0 for idx in range(cfg.num_layers))
-
-    attention = causal_attention_flops(
-        num_layers=num_full_layers,
-        num_heads=cfg.num_attn_heads,
-        head_dim=cfg.head_dim,
-        batch_size=cfg.batch_size,
-        seq_len=cfg.seq_len,
-    )
-
-    return gemm_flops(cfg) + attention
+    return gemm_flops(cfg) + full_attention_flops(cfg)
 
 
 def _run_floor(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
