@@ -34,7 +34,10 @@ def causal_conv1d(
     The PyTorch path keeps only its input for the backward (it recomputes
     the pre-activation). Given as a tensor, ``cu_seqlens`` is read on the host
     (a device synchronization); given as :class:`VarlenMetadata`, its host
-    copy is used and the gather indices are built once per metadata.
+    copy is used and the gather indices are built once per metadata. Under
+    ``torch.compile``, a packed batch runs as the operator
+    ``qwen35_fs2::packed_causal_conv1d`` (:mod:`~qwen35_fs2.ops.packed_ops`),
+    so that the graph does not specialize on the documents' lengths.
 
     :param x: The input of shape ``[B, T, D]``.
     :param weight: The kernels of shape ``[D, W]``.
@@ -73,9 +76,7 @@ def causal_conv1d(
 
     varlen = None if cu_seqlens is None else VarlenMetadata.of(cu_seqlens)
 
-    lengths = sequence_lengths(batch_size, seq_len, varlen)
-
-    num_seqs = len(lengths)
+    num_seqs = batch_size if varlen is None else varlen.num_seqs
 
     state_shape = (num_seqs, dim, width - 1)
 
@@ -83,6 +84,11 @@ def causal_conv1d(
         raise ValueError(
             f"`initial_state` must be of shape [N, D, W - 1] = {state_shape}, but is {tuple(initial_state.shape)} instead."
         )
+
+    # Under `torch.compile`, the lengths are checked by the operators that
+    # run the kernels: reading them here would specialize the graph on them.
+    if varlen is not None and not torch.compiler.is_compiling():
+        sequence_lengths(batch_size, seq_len, varlen)
 
     if backend == "fla":
         return fla_causal_conv1d(
@@ -99,9 +105,19 @@ def causal_conv1d(
 
     if varlen is None:
         layout = _HistoryLayout.regular(seq_len, width)
+    elif torch.compiler.is_compiling():
+        # Imported here: the operator runs this module's kernel.
+        from qwen35_fs2.ops.packed_ops import packed_causal_conv1d
+
+        y, final_state = packed_causal_conv1d(
+            x, weight, initial_state, varlen.cu_seqlens_cpu, activation == "silu", output_final_state
+        )
+
+        return y, final_state if output_final_state else None
     else:
         layout = varlen.derived(
-            ("conv_history", width, x.device), lambda: _HistoryLayout.packed(lengths, width, x.device)
+            ("conv_history", width, x.device),
+            lambda: _HistoryLayout.packed(list(varlen.lengths), width, x.device),
         )
 
     y, final_state = _CausalConv1dFunction.apply(  # type: ignore[no-untyped-call]
@@ -250,12 +266,93 @@ def _convolve(history: Tensor, weight: Tensor) -> Tensor:
     return pre
 
 
+@autocast_free
+def conv_forward(
+    x: Tensor,
+    weight: Tensor,
+    initial_state: Tensor | None,
+    silu: bool,
+    output_final_state: bool,
+    layout: _HistoryLayout,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The forward pass of :func:`causal_conv1d`'s PyTorch path over
+    ``layout``.
+
+    :returns: The output, the final states (or ``None``), and the history
+        that :func:`conv_backward` needs.
+    """
+    history = layout.build(x, initial_state)
+
+    pre = _convolve(history, weight.to(x.dtype))
+
+    y = layout.outputs(F.silu(pre, inplace=True) if silu else pre)
+
+    final_state = layout.states(history, final=True).contiguous() if output_final_state else None
+
+    return y.reshape(x.shape), final_state, history
+
+
+@autocast_free
+def conv_backward(
+    history: Tensor,
+    weight: Tensor,
+    dy: Tensor,
+    dht: Tensor | None,
+    silu: bool,
+    layout: _HistoryLayout,
+    state_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The backward pass of :func:`conv_forward`, which recomputes the
+    pre-activation from ``history``.
+
+    :param state_dtype: The dtype of the initial states, ``None`` if there
+        were none (then their gradient is ``None``).
+
+    :returns: The gradients of the input, the weight and the initial
+        states.
+    """
+    w = weight.to(history.dtype)
+
+    # The gradient of the pre-activation, over all rows of the history (the
+    # state rows get none).
+    dpre = layout.scatter_outputs(dy)
+
+    if silu:
+        dpre = torch.ops.aten.silu_backward(dpre, _convolve(history, w))
+
+    num_rows = dpre.size(1)
+
+    dhistory = torch.zeros_like(history)
+
+    dweight = torch.empty_like(w)
+
+    product = torch.empty_like(dpre)
+
+    for j in range(w.size(1)):
+        window = history[:, j : j + num_rows]
+
+        dhistory[:, j : j + num_rows].addcmul_(dpre, w[:, j])
+
+        dweight[:, j] = torch.mul(dpre, window, out=product).sum((0, 1))
+
+    if dht is not None:
+        layout.add_to_final_states(dhistory, dht)
+
+    dx = layout.tokens(dhistory).reshape(dy.shape)
+
+    dh0 = None
+
+    if state_dtype is not None:
+        dh0 = layout.states(dhistory, final=False).to(state_dtype)
+
+    return dx, dweight.to(weight.dtype), dh0
+
+
 class _CausalConv1dFunction(torch.autograd.Function):
     """Keeps the history (the input and the states) and recomputes the
     pre-activation in the backward."""
 
     @staticmethod
-    @autocast_free
     def forward(
         ctx: Any,
         x: Tensor,
@@ -265,13 +362,7 @@ class _CausalConv1dFunction(torch.autograd.Function):
         output_final_state: bool,
         layout: _HistoryLayout,
     ) -> tuple[Tensor, Tensor | None]:
-        history = layout.build(x, initial_state)
-
-        pre = _convolve(history, weight.to(x.dtype))
-
-        y = layout.outputs(F.silu(pre, inplace=True) if silu else pre)
-
-        final_state = layout.states(history, final=True).contiguous() if output_final_state else None
+        y, final_state, history = conv_forward(x, weight, initial_state, silu, output_final_state, layout)
 
         ctx.save_for_backward(history, weight)
 
@@ -279,49 +370,14 @@ class _CausalConv1dFunction(torch.autograd.Function):
         ctx.layout = layout
         ctx.state_dtype = None if initial_state is None else initial_state.dtype
 
-        return y.reshape(x.shape), final_state
+        return y, final_state
 
     @staticmethod
-    @autocast_free
     def backward(
         ctx: Any, dy: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         history, weight = ctx.saved_tensors
 
-        layout: _HistoryLayout = ctx.layout
+        dx, dweight, dh0 = conv_backward(history, weight, dy, dht, ctx.silu, ctx.layout, ctx.state_dtype)
 
-        w = weight.to(history.dtype)
-
-        # The gradient of the pre-activation, over all rows of the history
-        # (the state rows get none).
-        dpre = layout.scatter_outputs(dy)
-
-        if ctx.silu:
-            dpre = torch.ops.aten.silu_backward(dpre, _convolve(history, w))
-
-        num_rows = dpre.size(1)
-
-        dhistory = torch.zeros_like(history)
-
-        dweight = torch.empty_like(w)
-
-        product = torch.empty_like(dpre)
-
-        for j in range(w.size(1)):
-            window = history[:, j : j + num_rows]
-
-            dhistory[:, j : j + num_rows].addcmul_(dpre, w[:, j])
-
-            dweight[:, j] = torch.mul(dpre, window, out=product).sum((0, 1))
-
-        if dht is not None:
-            layout.add_to_final_states(dhistory, dht)
-
-        dx = layout.tokens(dhistory).reshape(dy.shape)
-
-        dh0 = None
-
-        if ctx.state_dtype is not None:
-            dh0 = layout.states(dhistory, final=False).to(ctx.state_dtype)
-
-        return dx, dweight.to(weight.dtype), dh0, None, None, None
+        return dx, dweight, dh0, None, None, None

@@ -30,6 +30,8 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from qwen35_fs2.ops.operator_outputs import empty_output, output_grad
+
 _CHUNK_SIZE: Final = 64
 """fla's default chunk size for the gated delta rule."""
 
@@ -66,17 +68,6 @@ def _chunk_indices(cu_seqlens: Tensor | None, cu_seqlens_cpu: Tensor | None) -> 
     indices: Tensor = prepare_chunk_indices(cu_seqlens, _CHUNK_SIZE, cu_seqlens_cpu=cu_seqlens_cpu)
 
     return indices
-
-
-def _empty(x: Tensor) -> Tensor:
-    """What an operator returns for an output it does not produce."""
-    return x.new_empty((0,))
-
-
-def _final_state_grad(dht: Tensor | None) -> Tensor | None:
-    """The gradient of a final state, ``None`` for the empty placeholder of
-    a call that returned none."""
-    return None if dht is None or dht.numel() == 0 else dht
 
 
 # The gated delta rule.
@@ -129,7 +120,7 @@ def fla_chunk_gated_delta_rule(
         )
 
     if final_state is None:
-        final_state = _empty(g_cumsum)
+        final_state = empty_output(g_cumsum)
 
     return o.to(v.dtype), final_state, g_cumsum, a
 
@@ -226,7 +217,7 @@ def fla_chunk_gated_delta_rule_backward(
             dk = l2norm_bwd(kn, k_rstd, dk)
 
     if dh0 is None:
-        dh0 = _empty(g_cumsum)
+        dh0 = empty_output(g_cumsum)
 
     grads = (dq, dk, dv, dg, dbeta)
 
@@ -274,7 +265,7 @@ def _chunk_gated_delta_rule_backward(ctx: Any, do: Tensor, dht: Tensor, *_: Tens
 
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.qwen35_fs2.fla_chunk_gated_delta_rule_backward(
         do,
-        _final_state_grad(dht),
+        output_grad(dht),
         q,
         k,
         v,
@@ -331,7 +322,7 @@ def fla_causal_conv1d(
             cu_seqlens_cpu=cu_seqlens_cpu,
         )
 
-    return y, _empty(x) if final_state is None else final_state
+    return y, empty_output(x) if final_state is None else final_state
 
 
 @fla_causal_conv1d.register_fake
@@ -386,7 +377,7 @@ def fla_causal_conv1d_backward(
             cu_seqlens_cpu=cu_seqlens_cpu,
         )
 
-    return dx, dweight, _empty(x) if dh0 is None else dh0
+    return dx, dweight, empty_output(x) if dh0 is None else dh0
 
 
 @fla_causal_conv1d_backward.register_fake
@@ -418,7 +409,7 @@ def _causal_conv1d_backward(ctx: Any, dy: Tensor, dht: Tensor) -> tuple[Tensor |
 
     dx, dweight, dh0 = torch.ops.qwen35_fs2.fla_causal_conv1d_backward(
         dy,
-        _final_state_grad(dht),
+        output_grad(dht),
         x,
         weight,
         initial_state,

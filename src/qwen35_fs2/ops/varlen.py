@@ -106,7 +106,9 @@ class VarlenMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.lengths)
+        # A size, not `len(self.lengths)`: under `torch.compile` a size can be
+        # dynamic, while the lengths would specialize the graph.
+        return self.cu_seqlens_cpu.size(0) - 1
 
     @property
     def num_tokens(self) -> int:

@@ -30,7 +30,7 @@ from fairseq2.metrics.recorders import MetricDescriptor, MetricFormatter
 from fairseq2.models.clm import CausalLM
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn.data_parallel import get_data_parallel_facade, set_data_parallel_facade
-from fairseq2.recipe.config import TrainerSection
+from fairseq2.recipe.config import ModelSection, TrainerSection
 from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.recipe.cli import register_cli_error
 from fairseq2.recipe.error import RecipeError
@@ -48,6 +48,7 @@ from qwen35_fs2.hf.sharded_loading import (
     enable_sharded_checkpoint_loading,
     finish_sharded_checkpoint_loading,
 )
+from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count
 from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
@@ -117,6 +118,8 @@ class LMLossSection:
 
 
 class _LMTrainingConfig(Protocol):
+    model: ModelSection
+
     loss: LMLossSection
 
     lora: LoraConfig | None
@@ -197,7 +200,7 @@ class LMTrainingRecipe(Recipe):
             dp_model, aux_loss_fn, config.loss.aux_loss_weight, mtp_loss_weight=config.loss.mtp_loss_weight
         )
 
-        unit = LMTrainUnit(loss_computer)
+        unit = LMTrainUnit(loss_computer, compiled=config.model.compile)
 
         # Before the trainer exists: fairseq2 creates its exporter with it.
         hf_exporter = take_over_hf_export(context, lora=config.lora is not None)
@@ -345,6 +348,7 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("moe_min_tokens_per_expert", "Fewest Tokens of an Expert", 107, format_as_int)
     register("moe_dropped_tokens", "Dropped Expert Assignments", 108, format_as_int)
     register("moe_ep_imbalance", "Expert-Parallel Imbalance", 109, format_as_float)
+    register("compiled_graphs", "Compiled Graphs", 110, format_as_int)
     register("num_correct", "Number of Correct Answers", 210, format_as_int)
 
     # In language-model recipes, elements are tokens. The later registration
@@ -562,13 +566,23 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
     """Trains a causal language model on the targets of each batch (all tokens
     in pretraining, the response tokens in SFT)."""
 
-    def __init__(self, loss_computer: LMLossComputer) -> None:
+    def __init__(self, loss_computer: LMLossComputer, *, compiled: bool = False) -> None:
+        """
+        :param compiled: If ``True``, the model runs under ``torch.compile``,
+            and each step reports the number of graphs compiled so far (the
+            metric ``compiled_graphs``): after the first steps, any increase
+            is a recompilation.
+        """
         self._loss_computer = loss_computer
+        self._compiled = compiled
         self._step_nr = 0
 
     @override
     def prepare_metric_bag(self, metric_bag: MetricBag) -> None:
         self._loss_computer.prepare_metric_bag(metric_bag)
+
+        if self._compiled:
+            metric_bag.add("compiled_graphs", Max())
 
     @override
     def set_step_nr(self, step_nr: int) -> None:
@@ -577,6 +591,11 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
     @override
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> tuple[Tensor, int]:
         loss, num_targets = self._loss_computer(batch, metric_bag)
+
+        if self._compiled:
+            # Counted after the forward pass, which compiles the graphs of
+            # both passes.
+            metric_bag.get("compiled_graphs", Max).update(compiled_graph_count())
 
         # A non-finite loss would silently turn every weight into NaN. The
         # process exits, so `torchrun` and `srun` end the other ranks too.

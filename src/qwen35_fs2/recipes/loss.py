@@ -126,7 +126,11 @@ def chunked_cross_entropy(
 
     flat_mask = None if target_mask is None else target_mask.flatten()
 
-    if reduction != "none" and torch.is_grad_enabled():
+    # Without gradients, the chunks below are cheaper (nothing to keep for a
+    # backward pass); but under `torch.compile` their loop over the tokens
+    # specializes the graph on the token count, which the fused function's
+    # loop over class blocks does not (see `_class_block_size`).
+    if reduction != "none" and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
         proj_params = _get_plain_projection_params(final_proj)
 
         if proj_params is not None:
@@ -438,9 +442,25 @@ def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, 
 
 def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int:
     """Returns the number of classes whose logits for ``num_tokens`` tokens
-    are at most as many as all the logits of ``chunk_size`` tokens."""
+    are at most as many as all the logits of ``chunk_size`` tokens.
+
+    Under ``torch.compile``, the loop over the blocks is unrolled in the
+    graph, and a block size computed from the token count would specialize
+    the graph on every count (each packed batch has its own): past
+    ``chunk_size``, it is computed from the next power of two instead, so
+    that the graph changes only when the count crosses one (the blocks are
+    then smaller than needed, never larger).
+    """
     if num_tokens <= chunk_size:
         return num_classes
+
+    if torch.compiler.is_compiling():
+        bound = chunk_size
+
+        while bound < num_tokens:
+            bound *= 2
+
+        num_tokens = bound
 
     return max(1, chunk_size * num_classes // num_tokens)
 

@@ -32,11 +32,13 @@ from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 
+from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 from qwen35_fs2.nn import collect_moe_statistics
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.statistics import MoeStatisticsRecorder
+from qwen35_fs2.ops.varlen import VarlenMetadata
 
 pytestmark = pytest.mark.slow
 
@@ -255,3 +257,67 @@ def test_whole_model_with_its_loss_compiles_like_eager() -> None:
     # The gradients of the decay parameters sum over all tokens of the
     # summed loss: measured up to 2e-5 of their largest entry.
     _assert_close(expected, actual, 1e-4)
+
+
+def test_packed_gated_deltanet_layer_compiles_a_bounded_number_of_graphs() -> None:
+    # Six packings, each of other documents: the first compiles the layer,
+    # the second (more tokens) compiles it again with the number of tokens
+    # dynamic, the third (more documents) with the number of documents
+    # dynamic too; from then on no packing compiles anything. In fp64, where
+    # inductor's reordering of the sums leaves only rounding (fp32 leaves up
+    # to 2e-3 of the decay gradients, which cancel over all tokens).
+    layer = _make_model().decoder.layers[0].linear_attn
+
+    assert layer is not None
+
+    layer = layer.double()
+
+    compiled_layer = copy.deepcopy(layer)
+
+    def step(module: Module, x: Tensor, layout: BatchLayout, varlen: VarlenMetadata) -> Tensor:
+        y: Tensor = module(x, layout, varlen=varlen)
+
+        return y
+
+    compiled_step = torch.compile(step, fullgraph=True)
+
+    packings = [[54, 6, 34, 66, 63], [39, 62, 46, 75, 38], [18, 37, 18, 13, 80, 33], [78, 19, 40, 13], [1, 88], [64, 64, 1, 7]]
+
+    torch._dynamo.reset()
+
+    graphs = []
+
+    for lengths in packings:
+        layout = BatchLayout((sum(lengths),), lengths, packed=True)
+
+        # As the decoder makes it once per batch.
+        varlen = VarlenMetadata.from_batch_layout(layout, torch.device("cpu"))
+
+        generator = torch.Generator().manual_seed(len(graphs))
+
+        x = torch.randn((sum(lengths), _MODEL_DIM), generator=generator, dtype=torch.float64)
+
+        cotangent = torch.randn(x.shape, generator=generator, dtype=torch.float64)
+
+        results = []
+
+        for run_step, module in ((step, layer), (compiled_step, compiled_layer)):
+            module.zero_grad()
+
+            x_ = x.clone().requires_grad_()
+
+            y = run_step(module, x_, layout, varlen)
+
+            (y * cotangent).sum().backward()
+
+            assert x_.grad is not None
+
+            grads = {f"d{name}": p.grad for name, p in module.named_parameters() if p.grad is not None}
+
+            results.append({"y": y.detach(), "dx": x_.grad} | grads)
+
+        _assert_close(results[0], results[1], 1e-10)
+
+        graphs.append(compiled_graph_count())
+
+    assert graphs == [graphs[0], graphs[0] + 1, graphs[0] + 2] + [graphs[0] + 2] * 3, graphs

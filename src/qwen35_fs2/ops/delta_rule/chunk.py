@@ -67,11 +67,14 @@ def chunk_gated_delta_rule(
     two documents), so nothing leaks from one document to the next.
 
     Under ``torch.compile``, a regular batch traces into one graph; with
-    ``cu_seqlens``, the graph specializes on the number of chunks of every
-    document. Given as a tensor, ``cu_seqlens`` is read on the host (a device
-    synchronization, and a graph break); given as :class:`VarlenMetadata`,
-    its host copy is used, and the chunk layout is built once per metadata
-    (once per batch for all layers of a model).
+    ``cu_seqlens``, the kernel runs as the operator
+    ``qwen35_fs2::packed_chunk_gated_delta_rule``
+    (:mod:`~qwen35_fs2.ops.packed_ops`), so that the graph does not
+    specialize on the documents' lengths. Given as a tensor, ``cu_seqlens``
+    is read on the host (a device synchronization, and a graph break); given
+    as :class:`VarlenMetadata`, its host copy is used, and in eager mode the
+    chunk layout is built once per metadata (once per batch for all layers
+    of a model).
 
     :param chunk_size: The number of tokens solved together; 64 matches fla
         (32 is a few percent faster on CPU, but loops twice as often).
@@ -95,6 +98,17 @@ def chunk_gated_delta_rule(
         layout = _ChunkLayout.regular(batch_size, seq_len, chunk_size)
     else:
         varlen = VarlenMetadata.of(cu_seqlens)
+
+        if torch.compiler.is_compiling() and seq_len > 0:
+            # Imported here: the operators run this module's kernels.
+            from qwen35_fs2.ops.packed_ops import packed_chunk_gated_delta_rule
+
+            o, final_state, _, _, _ = packed_chunk_gated_delta_rule(
+                q, k, v, g, beta, initial_state, varlen.cu_seqlens_cpu,
+                scale, use_qk_l2norm, output_final_state, chunk_size,
+            )  # fmt: skip
+
+            return o, final_state if output_final_state else None
 
         lengths = sequence_lengths(batch_size, seq_len, varlen)
 
@@ -491,12 +505,260 @@ class _ChunkTerms:
         )
 
 
+@autocast_free
+def chunk_forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+    output_final_state: bool,
+    layout: _ChunkLayout,
+) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor]:
+    """The forward pass of :func:`chunk_gated_delta_rule` over ``layout``.
+
+    :returns: The output and the final states (or ``None``), and what
+        :func:`chunk_backward` needs besides the inputs: the chunk-start
+        states ``[NC, H, G, K, V]``, ``(I + A)^-1`` ``[NC, H, G, C, C]`` and
+        ``Vn`` ``[NC, H, G, C, V]``.
+    """
+    x = _ChunkedInputs.create(layout, q, k, v, g, beta, scale, use_qk_l2norm)
+
+    terms = _ChunkTerms.compute(x)
+
+    # With `E = diag(exp(gamma))`, `A = E A0 E^-1` for the decay-free
+    # `A0 = tril(diag(beta) K K^T, -1)` (the diagonal is not read), so
+    # `(I + A)^-1 = D * (I + A0)^-1`. Inverting `I + A0` keeps the
+    # inversion away from the tiny, even subnormal, products of decays.
+    inv = _invert_unit_lower(terms.kk * x.beta[..., None]).mul_(terms.decay)
+
+    u = inv @ x.v.mul_(x.beta[..., None])
+    w = inv @ (x.k * terms.kb_scale[..., None])
+
+    chunk_decay = terms.exp_gamma[..., -1, None, None]
+
+    # (N, H, G, K, V), the rows in the order the layout runs them.
+    if initial_state is None:
+        state = u.new_zeros((layout.num_seqs,) + u.shape[1:3] + (w.size(-1), u.size(-1)))
+    else:
+        state = layout.to_rows(initial_state.to(u.dtype).view((-1,) + u.shape[1:3] + initial_state.shape[2:]))
+
+    # Sequences without any chunk end where they start.
+    starts, writes, finals = [], [], [state[layout.first_step_size :]]
+
+    for begin, end, next_size in layout.step_bounds():
+        state = state[: end - begin]
+
+        vn = _addmm(u[begin:end], w[begin:end], state, alpha=-1.0)
+
+        starts.append(state)
+        writes.append(vn)
+
+        state = _addmm(chunk_decay[begin:end] * state, terms.kd[begin:end].mT, vn)
+
+        finals.append(state[next_size:])
+
+    s, vn = torch.cat(starts), torch.cat(writes)
+
+    # `P = Q K^T * D`, in place: the decay is not needed anymore.
+    p = terms.decay.mul_(terms.qk)
+
+    oc = _addmm((x.q * terms.exp_gamma[..., None]) @ s, p, vn)
+
+    o = layout.merge_heads(oc, q.size(0)).to(v.dtype)
+
+    final_state: Tensor | None = None
+
+    if output_final_state:
+        # Rows that stop later have lower ranks.
+        final_state = layout.to_seqs(torch.cat(finals[::-1])).flatten(1, 2)
+
+    return o, final_state, s, inv, vn
+
+
+@autocast_free
+def chunk_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    initial_state: Tensor | None,
+    s: Tensor,
+    inv: Tensor,
+    vn: Tensor,
+    do: Tensor,
+    dht: Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+    layout: _ChunkLayout,
+    initial_state_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """The backward pass of :func:`chunk_forward`, which recomputes the
+    intra-chunk terms from the inputs.
+
+    :param initial_state_grad: If ``False``, the gradient of
+        ``initial_state`` is ``None``.
+
+    :returns: The gradients of ``q``, ``k``, ``v``, ``g``, ``beta`` (in
+        their dtypes) and ``initial_state``.
+    """
+
+    batch_size, num_heads = q.size(0), q.size(2)
+
+    x = _ChunkedInputs.create(layout, q, k, v, g, beta, scale, use_qk_l2norm)
+
+    doc = layout.split_heads(do, num_heads, s.dtype)
+
+    terms = _ChunkTerms.compute(x)
+
+    exp_gamma, decay = terms.exp_gamma, terms.decay
+
+    w = inv @ (x.k * terms.kb_scale[..., None])
+
+    chunk_decay = exp_gamma[..., -1, None, None]
+
+    # What the output contributes directly to the gradients of the
+    # chunk-start states and of the writes.
+    ds_out = (x.q * exp_gamma[..., None]).mT @ doc
+    dvn_out = (decay * terms.qk).mT @ doc
+
+    state_shape = s.shape[1:]
+
+    if dht is None:
+        dht_rows = s.new_zeros((layout.num_seqs,) + state_shape)
+    else:
+        dht_rows = layout.to_rows(dht.to(s.dtype).view((-1,) + state_shape))
+
+    # The gradients of the state at every chunk end, and of the writes.
+    dstate = s.new_zeros((0,) + state_shape)
+
+    end_grads, write_grads = [], []
+
+    for begin, end, next_size in reversed(layout.step_bounds()):
+        if end - begin > next_size:
+            dstate = torch.cat([dstate, dht_rows[next_size : end - begin]])
+
+        dvn = _addmm(dvn_out[begin:end], terms.kd[begin:end], dstate)
+
+        end_grads.append(dstate)
+        write_grads.append(dvn)
+
+        dstate = torch.addcmul(ds_out[begin:end], chunk_decay[begin:end], dstate)
+        dstate = _addmm(dstate, w[begin:end].mT, dvn, alpha=-1.0)
+
+    dh0 = torch.cat([dstate, dht_rows[layout.first_step_size :]])
+
+    ds_end, dvn = torch.cat(end_grads[::-1]), torch.cat(write_grads[::-1])
+
+    # Dropped as soon as used: the backward's peak is its largest cost
+    # in memory.
+    del ds_out, dvn_out, end_grads, write_grads, w, dht_rows
+
+    # `O = diag(exp(gamma)) Q S + P Vn`; `dP` is masked by `D` below.
+    dqg = doc @ s.mT
+    dp = doc @ vn.mT
+
+    del doc
+
+    # `S' = exp(gamma_C) S + Kd^T Vn`
+    dkd = vn @ ds_end.mT
+
+    dchunk_decay = (s * ds_end).sum((-2, -1))
+
+    del ds_end
+
+    # `[U | W] = inv [diag(beta) V | diag(beta exp(gamma)) K]` and
+    # `Vn = U - W S`: `dU = dVn`, `dW = -dVn S^T`, and so
+    # `dA = -inv^T (dU U^T + dW W^T) = -inv^T dVn Vn^T`.
+    dvb = inv.mT @ dvn
+
+    del dvn
+
+    # Both negated: `-d(diag(beta exp(gamma)) K)` and `-dA`.
+    dkb_neg = dvb @ s.mT
+    da_neg = (dvb @ vn.mT).tril_(-1)
+
+    dkb_k = torch.linalg.vecdot(dkb_neg, x.k)
+
+    # `-dA * D`, the decay-free gradient `-d(diag(beta) K K^T)`.
+    da_neg.mul_(decay)
+
+    dad_kk = da_neg * terms.kk
+
+    dbeta = torch.linalg.vecdot(dvb, x.v) - exp_gamma * dkb_k - dad_kk.sum(-1)
+
+    dv = dvb.mul_(x.beta[..., None])
+
+    # `-d(K K^T)` and `d(Q K^T)`, per query/key head.
+    dkk_neg = _sum_groups(da_neg.mul_(x.beta[..., None]))
+
+    dpd = dp.mul_(decay)
+
+    dqk = _sum_groups(dpd)
+
+    # `dL/d(gamma_i - gamma_j)` through `D`: `dA * A + dP * P`.
+    de = dad_kk.mul_(x.beta[..., None]).neg_().addcmul_(dpd, terms.qk)
+
+    del da_neg, dp, dpd
+
+    # `gamma_i` is the sum of `g_t` for `t <= i`: what flows through
+    # `exp(gamma_i)` reaches every `g_t` with `t <= i`.
+    dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k)
+    dgamma += de.sum(-1) - de.sum(-2)
+
+    dgamma[..., -1] += chunk_decay[..., 0, 0] * dchunk_decay
+
+    del de, dad_kk
+
+    dg = dgamma.flip(-1).cumsum(-1).flip(-1)
+
+    # `exp(gamma_C - gamma_i)` is the sum of `g_t` for `t > i`: what
+    # flows through it reaches every `g_t` with `t > i`. Summed apart:
+    # through `exp(gamma_C)` and `exp(-gamma_i)` separately, large terms
+    # would cancel in fp32.
+    dkd_kd = torch.linalg.vecdot(dkd, terms.kd)
+
+    dg[..., 1:] += dkd_kd[..., :-1].cumsum(-1)
+
+    dqc = _addmm(_sum_groups(dqg.mul_(exp_gamma[..., None])), dqk, x.k)
+
+    dkc = _sum_groups(
+        dkd.mul_(terms.exp_to_end[..., None]).sub_(dkb_neg.mul_(terms.kb_scale[..., None]))
+    )
+
+    dkc = _addmm(dkc, dqk.mT, x.q)
+    dkc = _addmm(dkc, dkk_neg + dkk_neg.mT, x.k, alpha=-1.0)
+
+    dqc = _normalize_backward(dqc, x.q, x.q_rstd, scale)
+    dkc = _normalize_backward(dkc, x.k, x.k_rstd, 1.0)
+
+    dh0_out: Tensor | None = None
+
+    if initial_state is not None and initial_state_grad:
+        dh0_out = layout.to_seqs(dh0).flatten(1, 2).to(initial_state.dtype)
+
+    grads = (
+        (dqc, q),
+        (dkc, k),
+        (dv, v),
+        (dg, g),
+        (dbeta, beta),
+    )
+
+    dq, dk, dv, dg, dbeta = (layout.merge_heads(dx, batch_size).to(t.dtype) for dx, t in grads)
+
+    return dq, dk, dv, dg, dbeta, dh0_out
+
+
 class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Keeps the chunk-start states, ``(I + A)^-1`` and ``Vn`` for the
     backward, which recomputes the rest from the inputs."""
 
     @staticmethod
-    @autocast_free
     def forward(
         ctx: Any,
         q: Tensor,
@@ -510,56 +772,9 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         output_final_state: bool,
         layout: _ChunkLayout,
     ) -> tuple[Tensor, Tensor | None]:
-        x = _ChunkedInputs.create(layout, q, k, v, g, beta, scale, use_qk_l2norm)
-
-        terms = _ChunkTerms.compute(x)
-
-        # With `E = diag(exp(gamma))`, `A = E A0 E^-1` for the decay-free
-        # `A0 = tril(diag(beta) K K^T, -1)` (the diagonal is not read), so
-        # `(I + A)^-1 = D * (I + A0)^-1`. Inverting `I + A0` keeps the
-        # inversion away from the tiny, even subnormal, products of decays.
-        inv = _invert_unit_lower(terms.kk * x.beta[..., None]).mul_(terms.decay)
-
-        u = inv @ x.v.mul_(x.beta[..., None])
-        w = inv @ (x.k * terms.kb_scale[..., None])
-
-        chunk_decay = terms.exp_gamma[..., -1, None, None]
-
-        # (N, H, G, K, V), the rows in the order the layout runs them.
-        if initial_state is None:
-            state = u.new_zeros((layout.num_seqs,) + u.shape[1:3] + (w.size(-1), u.size(-1)))
-        else:
-            state = layout.to_rows(initial_state.to(u.dtype).view((-1,) + u.shape[1:3] + initial_state.shape[2:]))
-
-        # Sequences without any chunk end where they start.
-        starts, writes, finals = [], [], [state[layout.first_step_size :]]
-
-        for begin, end, next_size in layout.step_bounds():
-            state = state[: end - begin]
-
-            vn = _addmm(u[begin:end], w[begin:end], state, alpha=-1.0)
-
-            starts.append(state)
-            writes.append(vn)
-
-            state = _addmm(chunk_decay[begin:end] * state, terms.kd[begin:end].mT, vn)
-
-            finals.append(state[next_size:])
-
-        s, vn = torch.cat(starts), torch.cat(writes)
-
-        # `P = Q K^T * D`, in place: the decay is not needed anymore.
-        p = terms.decay.mul_(terms.qk)
-
-        oc = _addmm((x.q * terms.exp_gamma[..., None]) @ s, p, vn)
-
-        o = layout.merge_heads(oc, q.size(0)).to(v.dtype)
-
-        final_state: Tensor | None = None
-
-        if output_final_state:
-            # Rows that stop later have lower ranks.
-            final_state = layout.to_seqs(torch.cat(finals[::-1])).flatten(1, 2)
+        o, final_state, s, inv, vn = chunk_forward(
+            q, k, v, g, beta, initial_state, scale, use_qk_l2norm, output_final_state, layout
+        )
 
         ctx.save_for_backward(q, k, v, g, beta, initial_state, s, inv, vn)
 
@@ -570,160 +785,14 @@ class _ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         return o, final_state
 
     @staticmethod
-    @autocast_free
     def backward(
         ctx: Any, do: Tensor, dht: Tensor | None
     ) -> tuple[Tensor | None, ...]:
         q, k, v, g, beta, initial_state, s, inv, vn = ctx.saved_tensors
 
-        layout: _ChunkLayout = ctx.layout
+        grads = chunk_backward(
+            q, k, v, g, beta, initial_state, s, inv, vn, do, dht,
+            ctx.scale, ctx.use_qk_l2norm, ctx.layout, ctx.needs_input_grad[5],
+        )  # fmt: skip
 
-        batch_size, num_heads = q.size(0), q.size(2)
-
-        x = _ChunkedInputs.create(layout, q, k, v, g, beta, ctx.scale, ctx.use_qk_l2norm)
-
-        doc = layout.split_heads(do, num_heads, s.dtype)
-
-        terms = _ChunkTerms.compute(x)
-
-        exp_gamma, decay = terms.exp_gamma, terms.decay
-
-        w = inv @ (x.k * terms.kb_scale[..., None])
-
-        chunk_decay = exp_gamma[..., -1, None, None]
-
-        # What the output contributes directly to the gradients of the
-        # chunk-start states and of the writes.
-        ds_out = (x.q * exp_gamma[..., None]).mT @ doc
-        dvn_out = (decay * terms.qk).mT @ doc
-
-        state_shape = s.shape[1:]
-
-        if dht is None:
-            dht_rows = s.new_zeros((layout.num_seqs,) + state_shape)
-        else:
-            dht_rows = layout.to_rows(dht.to(s.dtype).view((-1,) + state_shape))
-
-        # The gradients of the state at every chunk end, and of the writes.
-        dstate = s.new_zeros((0,) + state_shape)
-
-        end_grads, write_grads = [], []
-
-        for begin, end, next_size in reversed(layout.step_bounds()):
-            if end - begin > next_size:
-                dstate = torch.cat([dstate, dht_rows[next_size : end - begin]])
-
-            dvn = _addmm(dvn_out[begin:end], terms.kd[begin:end], dstate)
-
-            end_grads.append(dstate)
-            write_grads.append(dvn)
-
-            dstate = torch.addcmul(ds_out[begin:end], chunk_decay[begin:end], dstate)
-            dstate = _addmm(dstate, w[begin:end].mT, dvn, alpha=-1.0)
-
-        dh0 = torch.cat([dstate, dht_rows[layout.first_step_size :]])
-
-        ds_end, dvn = torch.cat(end_grads[::-1]), torch.cat(write_grads[::-1])
-
-        # Dropped as soon as used: the backward's peak is its largest cost
-        # in memory.
-        del ds_out, dvn_out, end_grads, write_grads, w, dht_rows
-
-        # `O = diag(exp(gamma)) Q S + P Vn`; `dP` is masked by `D` below.
-        dqg = doc @ s.mT
-        dp = doc @ vn.mT
-
-        del doc
-
-        # `S' = exp(gamma_C) S + Kd^T Vn`
-        dkd = vn @ ds_end.mT
-
-        dchunk_decay = (s * ds_end).sum((-2, -1))
-
-        del ds_end
-
-        # `[U | W] = inv [diag(beta) V | diag(beta exp(gamma)) K]` and
-        # `Vn = U - W S`: `dU = dVn`, `dW = -dVn S^T`, and so
-        # `dA = -inv^T (dU U^T + dW W^T) = -inv^T dVn Vn^T`.
-        dvb = inv.mT @ dvn
-
-        del dvn
-
-        # Both negated: `-d(diag(beta exp(gamma)) K)` and `-dA`.
-        dkb_neg = dvb @ s.mT
-        da_neg = (dvb @ vn.mT).tril_(-1)
-
-        dkb_k = torch.linalg.vecdot(dkb_neg, x.k)
-
-        # `-dA * D`, the decay-free gradient `-d(diag(beta) K K^T)`.
-        da_neg.mul_(decay)
-
-        dad_kk = da_neg * terms.kk
-
-        dbeta = torch.linalg.vecdot(dvb, x.v) - exp_gamma * dkb_k - dad_kk.sum(-1)
-
-        dv = dvb.mul_(x.beta[..., None])
-
-        # `-d(K K^T)` and `d(Q K^T)`, per query/key head.
-        dkk_neg = _sum_groups(da_neg.mul_(x.beta[..., None]))
-
-        dpd = dp.mul_(decay)
-
-        dqk = _sum_groups(dpd)
-
-        # `dL/d(gamma_i - gamma_j)` through `D`: `dA * A + dP * P`.
-        de = dad_kk.mul_(x.beta[..., None]).neg_().addcmul_(dpd, terms.qk)
-
-        del da_neg, dp, dpd
-
-        # `gamma_i` is the sum of `g_t` for `t <= i`: what flows through
-        # `exp(gamma_i)` reaches every `g_t` with `t <= i`.
-        dgamma = exp_gamma * (torch.linalg.vecdot(dqg, x.q) - x.beta * dkb_k)
-        dgamma += de.sum(-1) - de.sum(-2)
-
-        dgamma[..., -1] += chunk_decay[..., 0, 0] * dchunk_decay
-
-        del de, dad_kk
-
-        dg = dgamma.flip(-1).cumsum(-1).flip(-1)
-
-        # `exp(gamma_C - gamma_i)` is the sum of `g_t` for `t > i`: what
-        # flows through it reaches every `g_t` with `t > i`. Summed apart:
-        # through `exp(gamma_C)` and `exp(-gamma_i)` separately, large terms
-        # would cancel in fp32.
-        dkd_kd = torch.linalg.vecdot(dkd, terms.kd)
-
-        dg[..., 1:] += dkd_kd[..., :-1].cumsum(-1)
-
-        dqc = _addmm(_sum_groups(dqg.mul_(exp_gamma[..., None])), dqk, x.k)
-
-        dkc = _sum_groups(
-            dkd.mul_(terms.exp_to_end[..., None]).sub_(dkb_neg.mul_(terms.kb_scale[..., None]))
-        )
-
-        dkc = _addmm(dkc, dqk.mT, x.q)
-        dkc = _addmm(dkc, dkk_neg + dkk_neg.mT, x.k, alpha=-1.0)
-
-        dqc = _normalize_backward(dqc, x.q, x.q_rstd, ctx.scale)
-        dkc = _normalize_backward(dkc, x.k, x.k_rstd, 1.0)
-
-        dh0_out: Tensor | None = None
-
-        if initial_state is not None and ctx.needs_input_grad[5]:
-            dh0_out = layout.to_seqs(dh0).flatten(1, 2).to(initial_state.dtype)
-
-        grads = (
-            (dqc, q),
-            (dkc, k),
-            (dv, v),
-            (dg, g),
-            (dbeta, beta),
-        )
-
-        return tuple(layout.merge_heads(dx, batch_size).to(t.dtype) for dx, t in grads) + (
-            dh0_out,
-            None,
-            None,
-            None,
-            None,
-        )
+        return grads + (None, None, None, None)

@@ -3,6 +3,7 @@ backend."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from qwen35_fs2.ops.backend import GdnBackend
@@ -51,7 +52,10 @@ def gated_delta_rule(
 
     varlen = None if cu_seqlens is None else VarlenMetadata.of(cu_seqlens)
 
-    sequence_lengths(q.size(0), q.size(1), varlen)
+    # Under `torch.compile`, the kernels' operators check the lengths when
+    # they run: reading them here would specialize the graph on them.
+    if not torch.compiler.is_compiling():
+        sequence_lengths(q.size(0), q.size(1), varlen)
 
     if backend == "fla":
         return fla_gated_delta_rule(
