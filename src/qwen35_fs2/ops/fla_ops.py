@@ -30,6 +30,7 @@ from typing import Any, Final
 import torch
 from torch import Tensor
 
+from qwen35_fs2.ops.delta_rule.common import document_lengths
 from qwen35_fs2.ops.operator_outputs import empty_output, output_grad
 
 _CHUNK_SIZE: Final = 64
@@ -97,6 +98,10 @@ def fla_chunk_gated_delta_rule(
     """
     from fla.modules.norm.l2norm import l2norm_fwd  # type: ignore[import-untyped]
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd  # type: ignore[import-untyped]
+
+    # Its callers do not check the offsets under `torch.compile`.
+    if cu_seqlens_cpu is not None:
+        document_lengths(cu_seqlens_cpu, q.size(1))
 
     q, k, v, g, beta, initial_state = _contiguous(q, k, v, g, beta, initial_state)
 
@@ -306,6 +311,10 @@ def fla_causal_conv1d(
         ``output_final_state``).
     """
     from fla.modules.causal_conv1d import causal_conv1d_fwd  # type: ignore[import-untyped]
+
+    # Its callers do not check the offsets under `torch.compile`.
+    if cu_seqlens_cpu is not None:
+        document_lengths(cu_seqlens_cpu, x.size(1))
 
     x, weight, initial_state = _contiguous(x, weight, initial_state)
 

@@ -31,16 +31,8 @@ from torch import Tensor
 
 from qwen35_fs2.ops.causal_conv import _HistoryLayout, conv_backward, conv_forward
 from qwen35_fs2.ops.delta_rule.chunk import _ChunkLayout, chunk_backward, chunk_forward
-from qwen35_fs2.ops.delta_rule.common import compute_dtype, sequence_lengths
+from qwen35_fs2.ops.delta_rule.common import compute_dtype, document_lengths
 from qwen35_fs2.ops.operator_outputs import empty_output, output_grad
-from qwen35_fs2.ops.varlen import VarlenMetadata
-
-
-def _lengths(cu_seqlens_cpu: Tensor, seq_len: int) -> list[int]:
-    """The documents' lengths, checked against the ``seq_len`` tokens."""
-    varlen = VarlenMetadata(cu_seqlens_cpu.tolist(), cu_seqlens_cpu.device)
-
-    return sequence_lengths(1, seq_len, varlen)
 
 
 def _num_seqs(cu_seqlens_cpu: Tensor) -> int:
@@ -83,7 +75,7 @@ def packed_chunk_gated_delta_rule(
         chunk-start states, ``(I + A)^-1`` and ``Vn``, each padded with zero
         chunks to ``T // C + N`` chunks.
     """
-    lengths = _lengths(cu_seqlens_cpu, q.size(1))
+    lengths = document_lengths(cu_seqlens_cpu, q.size(1))
 
     layout = _ChunkLayout.packed(lengths, chunk_size, q.device)
 
@@ -160,7 +152,7 @@ def packed_chunk_gated_delta_rule_backward(
     :returns: The gradients of ``q``, ``k``, ``v``, ``g``, ``beta`` and of
         the initial states (empty without them).
     """
-    layout = _ChunkLayout.packed(_lengths(cu_seqlens_cpu, q.size(1)), chunk_size, q.device)
+    layout = _ChunkLayout.packed(document_lengths(cu_seqlens_cpu, q.size(1)), chunk_size, q.device)
 
     num_chunks = layout.num_chunks
 
@@ -236,7 +228,7 @@ packed_chunk_gated_delta_rule.register_autograd(
 
 
 def _history_layout(cu_seqlens_cpu: Tensor, x: Tensor, width: int) -> _HistoryLayout:
-    return _HistoryLayout.packed(_lengths(cu_seqlens_cpu, x.size(1)), width, x.device)
+    return _HistoryLayout.packed(document_lengths(cu_seqlens_cpu, x.size(1)), width, x.device)
 
 
 @torch.library.custom_op("qwen35_fs2::packed_causal_conv1d", mutates_args=())

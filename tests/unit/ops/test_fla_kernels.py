@@ -391,3 +391,24 @@ class TestFlaOperators:
         weight = torch.rand(16, device=DEVICE, requires_grad=True)
 
         torch.library.opcheck(fla_ops.fla_gated_rms_norm, (x, gate, weight, 1e-6))
+
+    def test_operators_reject_offsets_that_do_not_cover_the_tokens(self) -> None:
+        # Under `torch.compile` their callers do not read the lengths: the
+        # operators check them.
+        assert DEVICE is not None
+
+        x = torch.randn(1, 10, 24, device=DEVICE)
+
+        offsets = torch.tensor([0, 4, 9])
+
+        match = r"`cu_seqlens` must start at 0 and end at the sequence length T=10, but ends at 9 instead"
+
+        with pytest.raises(ValueError, match=match):
+            fla_ops.fla_causal_conv1d(x, torch.randn(24, 4, device=DEVICE), None, offsets.to(DEVICE), offsets, "silu", False)
+
+        q, k = torch.randn(1, 10, 2, 16, device=DEVICE), torch.randn(1, 10, 2, 16, device=DEVICE)
+
+        v, g, beta = torch.randn(1, 10, 2, 16, device=DEVICE), -torch.rand(1, 10, 2, device=DEVICE), torch.rand(1, 10, 2, device=DEVICE)
+
+        with pytest.raises(ValueError, match=match):
+            fla_ops.fla_chunk_gated_delta_rule(q, k, v, g, beta, None, offsets.to(DEVICE), offsets, 0.25, False, True)

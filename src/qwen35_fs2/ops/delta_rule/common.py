@@ -57,6 +57,16 @@ def sequence_lengths(
     return list(varlen.lengths)
 
 
+def document_lengths(cu_seqlens_cpu: Tensor, seq_len: int) -> list[int]:
+    """Returns the lengths of the documents at the offsets ``cu_seqlens_cpu``
+    (a host tensor), checked to cover the ``seq_len`` tokens of a packed
+    batch: what the custom operators check when they run under
+    ``torch.compile``, where their callers do not read the lengths."""
+    varlen = VarlenMetadata(cu_seqlens_cpu.tolist(), cu_seqlens_cpu.device)
+
+    return sequence_lengths(1, seq_len, varlen)
+
+
 def check_delta_rule_inputs(
     q: Tensor,
     k: Tensor,
