@@ -568,13 +568,14 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
 
     def __init__(self, loss_computer: LMLossComputer, *, compiled: bool = False) -> None:
         """
-        :param compiled: If ``True``, the model runs under ``torch.compile``,
-            and each step reports the number of graphs compiled so far (the
-            metric ``compiled_graphs``): after the first steps, any increase
-            is a recompilation.
+        :param compiled: If ``True``, the model runs under ``torch.compile``:
+            each step reports the number of graphs compiled so far (the
+            metric ``compiled_graphs``), and a step that compiled any logs
+            how many.
         """
         self._loss_computer = loss_computer
         self._compiled = compiled
+        self._num_graphs = 0
         self._step_nr = 0
 
     @override
@@ -594,8 +595,18 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
 
         if self._compiled:
             # Counted after the forward pass, which compiles the graphs of
-            # both passes.
-            metric_bag.get("compiled_graphs", Max).update(compiled_graph_count())
+            # both passes (and those of the validation before this step).
+            num_graphs = compiled_graph_count()
+
+            if num_graphs > self._num_graphs:
+                log.info(
+                    "torch.compile compiled {} graph(s) by step {} ({} in all); after the first steps, a recompilation (`TORCH_LOGS=recompiles` says why).",
+                    num_graphs - self._num_graphs, self._step_nr, num_graphs,
+                )  # fmt: skip
+
+                self._num_graphs = num_graphs
+
+            metric_bag.get("compiled_graphs", Max).update(num_graphs)
 
         # A non-finite loss would silently turn every weight into NaN. The
         # process exits, so `torchrun` and `srun` end the other ranks too.

@@ -43,7 +43,7 @@ def test_compiled_packed_sft_matches_eager_and_stops_recompiling(tmp_path: Path)
 
     run_recipe("instruction_finetune", eager_dir, CONFIG, OVERRIDES)
 
-    run_recipe("instruction_finetune", compiled_dir, CONFIG, [*OVERRIDES, "model.compile=true"])
+    process = run_recipe("instruction_finetune", compiled_dir, CONFIG, [*OVERRIDES, "model.compile=true"])
 
     eager, compiled = read_metrics(eager_dir), read_metrics(compiled_dir)
 
@@ -81,3 +81,10 @@ def test_compiled_packed_sft_matches_eager_and_stops_recompiling(tmp_path: Path)
     assert 1 <= len(growths) <= 4, graphs
 
     assert set(graphs[25:]) == {graphs[25]}, graphs
+
+    # Each step that compiled graphs says so in the log.
+    compile_logs = [line for line in process.stdout.splitlines() if "torch.compile compiled" in line]
+
+    assert len(compile_logs) == len(set(graphs)), compile_logs
+
+    assert f"({graphs[-1]} in all)" in compile_logs[-1]
