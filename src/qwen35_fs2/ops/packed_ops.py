@@ -45,6 +45,15 @@ def _chunk_capacity(seq_len: int, num_seqs: int, chunk_size: int) -> int:
     return seq_len // chunk_size + num_seqs
 
 
+def _fake_optional_grad(t: Tensor | None, placeholder_like: Tensor) -> Tensor:
+    """The fake gradient of the optional input ``t``: like ``t``, or the
+    placeholder of an absent output if ``t`` is ``None``."""
+    if t is None:
+        return empty_output(placeholder_like)
+
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
 def _pad_rows(x: Tensor, num_rows: int) -> Tensor:
     return torch.cat([x, x.new_zeros((num_rows - x.size(0),) + x.shape[1:])])
 
@@ -186,12 +195,7 @@ def _(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = (torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v, g, beta))
 
-    if initial_state is None:
-        dh0 = s.new_empty((0,))
-    else:
-        dh0 = torch.empty_like(initial_state, memory_format=torch.contiguous_format)
-
-    return *grads, dh0
+    return *grads, _fake_optional_grad(initial_state, s)
 
 
 def _setup_chunk_gated_delta_rule(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
@@ -266,7 +270,7 @@ def _(
     if output_final_state:
         final_state = x.new_empty((_num_seqs(cu_seqlens_cpu), x.size(2), weight.size(1) - 1))
     else:
-        final_state = x.new_empty((0,))
+        final_state = empty_output(x)
 
     return torch.empty_like(x, memory_format=torch.contiguous_format), final_state
 
@@ -308,15 +312,10 @@ def _(
     cu_seqlens_cpu: Tensor,
     silu: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if initial_state is None:
-        dh0 = x.new_empty((0,))
-    else:
-        dh0 = torch.empty_like(initial_state, memory_format=torch.contiguous_format)
-
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
-        dh0,
+        _fake_optional_grad(initial_state, x),
     )
 
 

@@ -447,9 +447,9 @@ def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int
     Under ``torch.compile``, the loop over the blocks is unrolled in the
     graph, and a block size computed from the token count would specialize
     the graph on every count (each packed batch has its own): past
-    ``chunk_size``, it is computed from the next power of two instead, so
-    that the graph changes only when the count crosses one (the blocks are
-    then smaller than needed, never larger).
+    ``chunk_size``, it is computed from the next ``chunk_size * 2^k``
+    instead, so that the graph changes only when the count crosses one (the
+    blocks are then smaller than needed, never larger).
     """
     if num_tokens <= chunk_size:
         return num_classes

@@ -78,7 +78,10 @@ def test_compiled_packed_sft_matches_eager_and_stops_recompiling(tmp_path: Path)
     # recompilation from step 27 to step 50, through the second validation.
     growths = [step for step in range(2, 26) if graphs[step - 1] > graphs[step - 2]]
 
-    assert 1 <= len(growths) <= 4, graphs
+    # Another token count within the first 25 steps.
+    assert len(growths) >= 1, graphs
+
+    assert len(growths) <= 4, graphs
 
     assert set(graphs[25:]) == {graphs[25]}, graphs
 

@@ -163,3 +163,42 @@ def test_delta_rule_operator_rejects_offsets_that_do_not_cover_the_tokens() -> N
 
     with pytest.raises(ValueError, match=r"`cu_seqlens` must start at 0 and end at the sequence length T="):
         packed_chunk_gated_delta_rule(q, k, v, g, beta, None, offsets, 1.0, True, False, _CHUNK_SIZE)
+
+
+def test_operators_under_bf16_autocast_compute_what_the_eager_kernels_do() -> None:
+    # The regime of mixed-precision training on one device: bf16
+    # activations under autocast. Both paths run the same autocast-free
+    # kernels, so they agree exactly, gradients included.
+    q, k, v, g, beta = (t.detach().to(torch.bfloat16).requires_grad_() for t in _delta_rule_inputs(False))
+
+    inputs = [q, k, v, g, beta]
+
+    varlen = VarlenMetadata(_offsets().tolist(), q.device)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=varlen, chunk_size=_CHUNK_SIZE)
+
+        op_o, _, _, _, _ = packed_chunk_gated_delta_rule(
+            q, k, v, g, beta, None, _offsets(), 8**-0.5, True, False, _CHUNK_SIZE
+        )
+
+    assert op_o.dtype == o.dtype == torch.bfloat16
+
+    torch.testing.assert_close(op_o, o, rtol=0, atol=0)
+
+    for expected, actual in zip(_grads((o,), inputs), _grads((op_o,), inputs)):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+    x = torch.randn((1, _NUM_TOKENS, 6), dtype=torch.bfloat16, requires_grad=True)
+
+    weight = torch.randn((6, 4), requires_grad=True)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, _ = causal_conv1d(x, weight, cu_seqlens=varlen)
+
+        op_y, _ = packed_causal_conv1d(x, weight, None, _offsets(), True, False)
+
+    torch.testing.assert_close(op_y, y, rtol=0, atol=0)
+
+    for expected, actual in zip(_grads((y,), [x, weight]), _grads((op_y,), [x, weight])):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0)
