@@ -10,9 +10,15 @@ Each variant runs in a fresh subprocess (so peak memory is per variant):
 - ``floor``: only the step's GEMMs (every projection and the LM head,
   forward and backward) on random tensors of the same shapes.
 
+Each variant runs ``--rounds`` times, interleaved with the others, and the
+fastest step of all its rounds counts (``step_s``; ``median_step_s`` beside
+it): on a shared machine the load changes between variants, and the best
+step is the least disturbed one. Wall time and CPU time of all threads
+(``cpu_step_s``) are reported; the latter suffers less from other processes.
+
 Prints one JSON line. Example::
 
-    .venv/bin/python benchmarks/train_step.py --threads 2
+    .venv/bin/python benchmarks/train_step.py --threads 2 --rounds 3
 
 With ``--profile N`` the report also lists, for ``ours`` and ``reference``,
 the N operators with the most self CPU time in one extra profiled step.
@@ -354,8 +360,31 @@ def _profile_step(step: object, top: int) -> list[dict[str, object]]:
     ]
 
 
-def _measure(step: object, args: argparse.Namespace, device: Any, baseline_rss: float) -> dict[str, object]:
-    """Times ``step``, then profiles it if asked (after the timing, so that
+def time_steps_with_cpu(
+    step: Callable[[], None], num_warmup: int, num_steps: int, sync: Callable[[], None] = _no_sync
+) -> tuple[list[float], list[float]]:
+    """Returns the wall times of ``_time_steps`` and the CPU times (all
+    threads) of the same steps; on a shared machine the CPU time is the
+    steadier of the two."""
+    cpu_times = []
+
+    def timed_step() -> None:
+        start = time.process_time()
+
+        step()
+
+        sync()
+
+        cpu_times.append(time.process_time() - start)
+
+    times = _time_steps(timed_step, num_warmup, num_steps, sync)
+
+    return times, cpu_times[num_warmup:]
+
+
+def measure(step: Callable[[], None], args: argparse.Namespace, device: Any, baseline_rss: float) -> dict[str, Any]:
+    """Times the model's ``step`` in wall and CPU time, with its peak
+    memory, then profiles it for ``--profile`` (after the timing, so that
     the profiler does not change the peak memory measured)."""
     sync = synchronizer(device)
 
@@ -363,11 +392,14 @@ def _measure(step: object, args: argparse.Namespace, device: Any, baseline_rss: 
 
     # Timed apart from the steps: with `--compile` or fla's autotuning the
     # first step is mostly compilation.
-    warmup_times = _time_steps(step, 0, args.num_warmup, sync)
+    warmup_times, _ = time_steps_with_cpu(step, 0, args.num_warmup, sync)
 
-    result: dict[str, object] = {
+    times, cpu_times = time_steps_with_cpu(step, 0, args.num_steps, sync)
+
+    result: dict[str, Any] = {
         "warmup_times": warmup_times,
-        "times": _time_steps(step, 0, args.num_steps, sync),
+        "times": times,
+        "cpu_times": cpu_times,
         "baseline_rss_mib": baseline_rss,
         "peak_rss_mib": _max_rss_mib(),
         **read_cuda_stats(),
@@ -376,7 +408,7 @@ def _measure(step: object, args: argparse.Namespace, device: Any, baseline_rss: 
     if args.compile:
         result["compile"] = compile_stats()
 
-    if args.profile:
+    if getattr(args, "profile", 0):
         result["profile"] = _profile_step(step, args.profile)
 
     return result
@@ -442,7 +474,7 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, args, device, baseline_rss)
+    return measure(step, args, device, baseline_rss)
 
 
 def reference_config(cfg: BenchConfig) -> Any:
@@ -496,7 +528,7 @@ def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, obje
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, args, device, baseline_rss)
+    return measure(step, args, device, baseline_rss)
 
 
 def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
@@ -582,11 +614,17 @@ def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 
     read_cuda_stats = start_cuda_stats(device)
 
-    warmup_times = _time_steps(step, 0, args.num_warmup, sync)
+    warmup_times, _ = time_steps_with_cpu(step, 0, args.num_warmup, sync)
 
-    times = _time_steps(step, 0, args.num_steps, sync)
+    times, cpu_times = time_steps_with_cpu(step, 0, args.num_steps, sync)
 
-    return {"warmup_times": warmup_times, "times": times, "flops": gemm_flops(cfg), **read_cuda_stats()}
+    return {
+        "warmup_times": warmup_times,
+        "times": times,
+        "cpu_times": cpu_times,
+        "flops": gemm_flops(cfg),
+        **read_cuda_stats(),
+    }
 
 
 _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
@@ -690,6 +728,83 @@ def run_fields(result: dict[str, Any], flops: int, step_s: float, peak: float | 
     return fields
 
 
+def run_rounds(
+    script: str, args: argparse.Namespace, config: dict[str, object], variants: list[str], model_flops: int
+) -> dict[str, Any]:
+    """Runs ``script``'s ``variants`` in fresh processes, ``--rounds`` times
+    interleaved, and returns the report: per variant its fastest step of all
+    rounds (the memory and profile of that round), the median step and the
+    fastest CPU time; then the speedup over the reference and the fractions
+    of the floor, in wall and CPU time.
+
+    :param config: The benchmark's configuration, as reported.
+    :param model_flops: The FLOPs of a step of ``ours`` and ``reference``
+        that their MFU counts.
+    """
+    num_tokens = config["batch_size"] * config["seq_len"]  # type: ignore[operator]
+
+    results: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
+
+    for _ in range(args.rounds):
+        for worker, worker_results in results.items():
+            worker_results.append(spawn_worker(script, worker, args))
+
+    header, peak = run_header(args, (r[0] for r in results.values()))
+
+    report: dict[str, Any] = {
+        "config": config,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "cpu": cpu_model(),
+        **header,
+    }
+
+    for worker, worker_results in results.items():
+        times = [t for r in worker_results for t in r["times"]]
+
+        step_s = min(times)
+
+        # The round with the fastest step.
+        result = next(r for r in worker_results if step_s in r["times"])
+
+        entry: dict[str, Any] = {
+            "step_s": round(step_s, 4),
+            "median_step_s": round(statistics.median(times), 4),
+            "tokens_per_s": round(num_tokens / step_s, 1),
+            "cpu_step_s": round(min(t for r in worker_results for t in r["cpu_times"]), 4),
+        }
+
+        if "peak_rss_mib" in result:
+            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)
+            entry["step_peak_above_init_mib"] = round(result["peak_rss_mib"] - result["baseline_rss_mib"], 1)
+
+        if "flops" in result:
+            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)
+
+        if "profile" in result:
+            entry["profile"] = result["profile"]
+
+        flops = result["flops"] if worker == "floor" else model_flops
+
+        entry.update(run_fields(result, flops, step_s, peak))
+
+        report[worker] = entry
+
+    ours, reference, floor = report.get("ours"), report.get("reference"), report.get("floor")
+
+    if ours is not None and reference is not None:
+        report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
+        report["cpu_speedup_vs_reference"] = round(reference["cpu_step_s"] / ours["cpu_step_s"], 3)
+
+    if floor is not None:
+        for worker, entry in (("ours", ours), ("reference", reference)):
+            if entry is not None:
+                report[f"{worker}_fraction_of_floor"] = round(entry["tokens_per_s"] / floor["tokens_per_s"], 3)
+                report[f"{worker}_cpu_fraction_of_floor"] = round(floor["cpu_step_s"] / entry["cpu_step_s"], 3)
+
+    return report
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
@@ -697,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-warmup", type=int, default=1)
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the variants this many times, interleaved; the fastest step counts")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="list the N operators with the most self CPU time")
     add_run_options(parser, SHAPES)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
@@ -727,50 +843,7 @@ def main() -> None:
 
         return
 
-    num_tokens = cfg.batch_size * cfg.seq_len
-
-    results = {worker: spawn_worker(__file__, worker, args) for worker in variants}
-
-    header, peak = run_header(args, results.values())
-
-    report: dict[str, object] = {"config": asdict(cfg), "threads": args.threads, **header}
-
-    for worker, result in results.items():
-        step_s = statistics.median(result["times"])
-
-        entry: dict[str, object] = {
-            "step_s": round(step_s, 4),
-            "tokens_per_s": round(num_tokens / step_s, 1),
-        }
-
-        if "peak_rss_mib" in result:
-            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)
-            entry["step_peak_above_init_mib"] = round(result["peak_rss_mib"] - result["baseline_rss_mib"], 1)
-
-        if "flops" in result:
-            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)
-
-        if "profile" in result:
-            entry["profile"] = result["profile"]
-
-        flops = result["flops"] if worker == "floor" else model_flops(cfg)
-
-        entry.update(run_fields(result, flops, step_s, peak))
-
-        report[worker] = entry
-
-    ours, reference, floor = report.get("ours"), report.get("reference"), report.get("floor")
-
-    if ours is not None and reference is not None:
-        report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)  # type: ignore[index]
-
-    if floor is not None:
-        for worker, entry in (("ours", ours), ("reference", reference)):
-            if entry is not None:
-                report[f"{worker}_fraction_of_floor"] = round(entry["tokens_per_s"] / floor["tokens_per_s"], 3)  # type: ignore[index]
-
-    print(json.dumps(report))
-
+    print(json.dumps(run_rounds(__file__, args, asdict(cfg), variants, model_flops(cfg))))
 
 if __name__ == "__main__":
     main()

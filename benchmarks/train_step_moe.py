@@ -37,29 +37,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Final, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
 from train_step import (
     _max_rss_mib,
-    _no_sync,
-    _time_steps,
     add_run_options,
     full_attention_flops,
     check_run_options,
-    compile_stats,
+    measure,
     prepare_model,
-    run_fields,
-    run_header,
-    spawn_worker,
+    run_rounds,
     start_cuda_stats,
     step_context,
     synchronizer,
+    time_steps_with_cpu,
     worker_device,
 )
 
@@ -122,55 +116,6 @@ SHAPES: Final = {
     ),
 }
 """The shapes of ``--shape``."""
-
-
-def _time_steps_with_cpu(
-    step: Callable[[], None], num_warmup: int, num_steps: int, sync: Callable[[], None] = _no_sync
-) -> tuple[list[float], list[float]]:
-    """Returns the wall times of ``_time_steps`` and the CPU times (all
-    threads) of the same steps; on a shared machine the CPU time is the
-    steadier of the two."""
-    cpu_times = []
-
-    def timed_step() -> None:
-        start = time.process_time()
-
-        step()
-
-        sync()
-
-        cpu_times.append(time.process_time() - start)
-
-    times = _time_steps(timed_step, num_warmup, num_steps, sync)
-
-    return times, cpu_times[num_warmup:]
-
-
-def _measure(step: Callable[[], None], args: argparse.Namespace, device: Any, baseline_rss: float) -> WorkerResult:
-    """Times the model's ``step`` in wall and CPU time, with its peak memory."""
-    sync = synchronizer(device)
-
-    read_cuda_stats = start_cuda_stats(device)
-
-    # Timed apart from the steps: with `--compile` or fla's autotuning the
-    # first step is mostly compilation.
-    warmup_times, _ = _time_steps_with_cpu(step, 0, args.num_warmup, sync)
-
-    times, cpu_times = _time_steps_with_cpu(step, 0, args.num_steps, sync)
-
-    result: WorkerResult = {
-        "warmup_times": warmup_times,
-        "times": times,
-        "cpu_times": cpu_times,
-        "baseline_rss_mib": baseline_rss,
-        "peak_rss_mib": _max_rss_mib(),
-        **read_cuda_stats(),
-    }
-
-    if args.compile:
-        result["compile"] = compile_stats()
-
-    return result
 
 
 def ours_config(cfg: MoeBenchConfig, backend: str = "torch") -> Any:
@@ -249,7 +194,7 @@ def _run_ours(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, args, device, baseline_rss)
+    return measure(step, args, device, baseline_rss)
 
 
 def _run_reference(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
@@ -301,7 +246,7 @@ def _run_reference(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResul
 
         model.zero_grad(set_to_none=True)
 
-    return _measure(step, args, device, baseline_rss)
+    return measure(step, args, device, baseline_rss)
 
 
 def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
@@ -395,9 +340,9 @@ def _run_floor(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
 
     read_cuda_stats = start_cuda_stats(device)
 
-    warmup_times, _ = _time_steps_with_cpu(step, 0, args.num_warmup, sync)
+    warmup_times, _ = time_steps_with_cpu(step, 0, args.num_warmup, sync)
 
-    times, cpu_times = _time_steps_with_cpu(step, 0, args.num_steps, sync)
+    times, cpu_times = time_steps_with_cpu(step, 0, args.num_steps, sync)
 
     return {
         "warmup_times": warmup_times,
@@ -449,66 +394,7 @@ def main() -> None:
 
         return
 
-    num_tokens = cfg.batch_size * cfg.seq_len
-
-    results: dict[str, list[WorkerResult]] = {variant: [] for variant in variants}
-
-    for _ in range(args.rounds):
-        for worker, worker_results in results.items():
-            worker_results.append(spawn_worker(__file__, worker, args))
-
-    header, peak = run_header(args, (r[0] for r in results.values()))
-
-    report: dict[str, Any] = {"config": asdict(cfg), "threads": args.threads, "rounds": args.rounds, **header}
-
-    for worker, worker_results in results.items():
-        times = [t for r in worker_results for t in r["times"]]
-
-        cpu_times = [t for r in worker_results for t in r["cpu_times"]]
-
-        step_s = min(times)
-
-        # The memory of the round with the fastest step.
-        result = next(r for r in worker_results if step_s in r["times"])
-
-        entry = {
-            "step_s": round(step_s, 4),
-            "median_step_s": round(statistics.median(times), 4),
-            "tokens_per_s": round(num_tokens / step_s, 1),
-            "cpu_step_s": round(min(cpu_times), 4),
-        }
-
-        if "peak_rss_mib" in result:
-            entry["peak_rss_mib"] = round(result["peak_rss_mib"], 1)
-            entry["step_peak_above_init_mib"] = round(result["peak_rss_mib"] - result["baseline_rss_mib"], 1)
-
-        if "flops" in result:
-            entry["gflop_per_s"] = round(result["flops"] / step_s / 1e9, 1)
-
-        flops = result["flops"] if worker == "floor" else model_flops(cfg)
-
-        entry.update(run_fields(result, flops, step_s, peak))
-
-        report[worker] = entry
-
-    ours, reference, floor = report.get("ours"), report.get("reference"), report.get("floor")
-
-    if ours is not None and reference is not None:
-        report["speedup_vs_reference"] = round(ours["tokens_per_s"] / reference["tokens_per_s"], 3)
-
-    if floor is not None:
-        for worker, entry in (("ours", ours), ("reference", reference)):
-            if entry is not None:
-                report[f"{worker}_fraction_of_floor"] = round(entry["tokens_per_s"] / floor["tokens_per_s"], 3)
-
-    if ours is not None and reference is not None:
-        report["cpu_speedup_vs_reference"] = round(reference["cpu_step_s"] / ours["cpu_step_s"], 3)
-
-    if ours is not None and floor is not None:
-        report["ours_cpu_fraction_of_floor"] = round(floor["cpu_step_s"] / ours["cpu_step_s"], 3)
-
-    print(json.dumps(report))
-
+    print(json.dumps(run_rounds(__file__, args, asdict(cfg), variants, model_flops(cfg))))
 
 if __name__ == "__main__":
     main()

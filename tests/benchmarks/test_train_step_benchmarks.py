@@ -67,9 +67,14 @@ class TestCommandLine:
         # Only the variants asked for, and what compares them.
         assert "reference" not in report and "speedup_vs_reference" not in report
 
-        assert report["ours_fraction_of_floor"] > 0
+        assert report["ours_fraction_of_floor"] > 0 and report["ours_cpu_fraction_of_floor"] > 0
+
+        # One round by default; the CPU comes with the numbers.
+        assert report["rounds"] == 1 and report["cpu"]["model_name"]
 
         floor, ours = report["floor"], report["ours"]
+
+        assert ours["median_step_s"] >= ours["step_s"] > 0 and ours["cpu_step_s"] > 0
 
         assert floor["gflop_per_s"] > 0 and floor["tokens_per_s"] > 0
 
