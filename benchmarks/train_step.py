@@ -164,10 +164,15 @@ class AttentionShape(Protocol):
     seq_len: int
 
 
+def is_full_attention_layer(cfg: AttentionShape, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` of ``cfg`` is a full-attention layer."""
+    return (layer_idx + 1) % cfg.full_attention_interval == 0
+
+
 def full_attention_flops(cfg: AttentionShape) -> int:
     """Returns :func:`causal_attention_flops` of the full-attention layers of
     ``cfg`` (every ``full_attention_interval``-th layer)."""
-    num_full_layers = sum((idx + 1) % cfg.full_attention_interval == 0 for idx in range(cfg.num_layers))
+    num_full_layers = sum(is_full_attention_layer(cfg, idx) for idx in range(cfg.num_layers))
 
     return causal_attention_flops(
         num_layers=num_full_layers,
@@ -531,9 +536,10 @@ def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, obje
     return measure(step, args, device, baseline_rss)
 
 
-def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
-    """Returns ``(input_dim, output_dim)`` of every projection of the step,
-    the LM head included."""
+def module_gemm_shapes(cfg: BenchConfig) -> dict[str, list[tuple[int, int]]]:
+    """Returns ``(input_dim, output_dim)`` of the projections of each kind of
+    module of the step: ``gdn`` (a Gated DeltaNet mixer), ``attention`` (a
+    gated attention mixer), ``ffn`` and ``lm_head``."""
     key_dim = cfg.num_linear_key_heads * cfg.linear_head_dim
     value_dim = cfg.num_linear_value_heads * cfg.linear_head_dim
 
@@ -542,28 +548,59 @@ def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
 
     d = cfg.model_dim
 
-    gdn = [
-        (d, 2 * key_dim + value_dim),
-        (d, value_dim),
-        (d, cfg.num_linear_value_heads),
-        (d, cfg.num_linear_value_heads),
-        (value_dim, d),
-    ]
+    return {
+        "gdn": [
+            (d, 2 * key_dim + value_dim),
+            (d, value_dim),
+            (d, cfg.num_linear_value_heads),
+            (d, cfg.num_linear_value_heads),
+            (value_dim, d),
+        ],
+        "attention": [(d, 2 * attn_dim), (d, kv_dim), (d, kv_dim), (attn_dim, d)],
+        "ffn": [(d, cfg.ffn_inner_dim), (d, cfg.ffn_inner_dim), (cfg.ffn_inner_dim, d)],
+        "lm_head": [(d, cfg.vocab_size)],
+    }
 
-    attn = [(d, 2 * attn_dim), (d, kv_dim), (d, kv_dim), (attn_dim, d)]
 
-    ffn = [(d, cfg.ffn_inner_dim), (d, cfg.ffn_inner_dim), (cfg.ffn_inner_dim, d)]
+def gemm_shapes(cfg: BenchConfig) -> list[tuple[int, int]]:
+    """Returns ``(input_dim, output_dim)`` of every projection of the step,
+    the LM head included."""
+    modules = module_gemm_shapes(cfg)
 
     shapes = []
 
     for idx in range(cfg.num_layers):
-        full = (idx + 1) % cfg.full_attention_interval == 0
+        mixer = "attention" if is_full_attention_layer(cfg, idx) else "gdn"
 
-        shapes.extend((attn if full else gdn) + ffn)
+        shapes.extend(modules[mixer] + modules["ffn"])
 
-    shapes.append((d, cfg.vocab_size))
+    shapes.extend(modules["lm_head"])
 
     return shapes
+
+
+def gemm_step(shapes: Iterable[tuple[int, int]], num_tokens: int, device: Any, dtype: Any) -> Callable[[], None]:
+    """Returns a step of the GEMMs of projections of ``shapes`` on
+    ``num_tokens`` tokens, forward and backward (the output, the input
+    gradient and the weight gradient), on random tensors."""
+    import torch
+
+    operands = []
+
+    for input_dim, output_dim in shapes:
+        x = torch.randn(num_tokens, input_dim, device=device, dtype=dtype)
+        w = torch.randn(output_dim, input_dim, device=device, dtype=dtype)
+        dy = torch.randn(num_tokens, output_dim, device=device, dtype=dtype)
+
+        operands.append((x, w, dy))
+
+    def step() -> None:
+        for x, w, dy in operands:
+            x @ w.t()  # forward
+            dy @ w  # input gradient
+            dy.t() @ x  # weight gradient
+
+    return step
 
 
 def gemm_flops(cfg: BenchConfig) -> int:
@@ -591,24 +628,9 @@ def _run_floor(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
     # The dtype autocast runs the GEMMs in.
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
 
-    num_tokens = cfg.batch_size * cfg.seq_len
-
     torch.manual_seed(0)
 
-    operands = []
-
-    for input_dim, output_dim in gemm_shapes(cfg):
-        x = torch.randn(num_tokens, input_dim, device=device, dtype=dtype)
-        w = torch.randn(output_dim, input_dim, device=device, dtype=dtype)
-        dy = torch.randn(num_tokens, output_dim, device=device, dtype=dtype)
-
-        operands.append((x, w, dy))
-
-    def step() -> None:
-        for x, w, dy in operands:
-            x @ w.t()  # forward
-            dy @ w  # input gradient
-            dy.t() @ x  # weight gradient
+    step = gemm_step(gemm_shapes(cfg), cfg.batch_size * cfg.seq_len, device, dtype)
 
     sync = synchronizer(device)
 

@@ -47,6 +47,7 @@ from train_step import (
     add_run_options,
     full_attention_flops,
     check_run_options,
+    is_full_attention_layer,
     measure,
     prepare_model,
     run_rounds,
@@ -287,7 +288,7 @@ def gemm_shapes(cfg: MoeBenchConfig) -> list[tuple[int, int, int]]:
     shapes: list[tuple[int, int, int]] = []
 
     for idx in range(cfg.num_layers):
-        full = (idx + 1) % cfg.full_attention_interval == 0
+        full = is_full_attention_layer(cfg, idx)
 
         shapes.extend((num_tokens, i, o) for i, o in (attn if full else gdn) + dense_moe)
 
