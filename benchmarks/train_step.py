@@ -183,6 +183,16 @@ def full_attention_flops(cfg: AttentionShape) -> int:
     )
 
 
+def add_step_options(parser: argparse.ArgumentParser) -> None:
+    """Adds the options of both training-step benchmarks that choose how
+    long and how often they measure."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--num-warmup", type=int, default=1)
+    parser.add_argument("--num-steps", type=int, default=3)
+    parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
+    parser.add_argument("--rounds", type=int, default=1, help="run the variants this many times, interleaved; the fastest step counts")
+
+
 def add_run_options(parser: argparse.ArgumentParser, shapes: Iterable[str]) -> None:
     """Adds the options of both training-step benchmarks that choose the
     device, the precision, the kernels, compilation and the shape."""
@@ -827,14 +837,33 @@ def run_rounds(
     return report
 
 
+def run_benchmark(
+    script: str,
+    args: argparse.Namespace,
+    variants: list[str],
+    cfg: Any,
+    workers: dict[str, Callable[[Any, argparse.Namespace], dict[str, Any]]],
+    model_flops: Callable[[Any], int],
+) -> None:
+    """Prints the JSON line of ``script``: in a worker process (``--worker``)
+    its measurement, with ``--threads`` threads; otherwise the report of
+    :func:`run_rounds` over the workers it starts."""
+    if args.worker is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
+        print(json.dumps(workers[args.worker](cfg, args)))
+
+        return
+
+    print(json.dumps(run_rounds(script, args, asdict(cfg), variants, model_flops(cfg))))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-warmup", type=int, default=1)
-    parser.add_argument("--num-steps", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
-    parser.add_argument("--rounds", type=int, default=1, help="run the variants this many times, interleaved; the fastest step counts")
+    add_step_options(parser)
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="list the N operators with the most self CPU time")
     add_run_options(parser, SHAPES)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
@@ -854,18 +883,8 @@ def main() -> None:
     if args.seq_len is not None:
         cfg = replace(cfg, seq_len=args.seq_len)
 
-    if args.worker is not None:
-        import torch
+    run_benchmark(__file__, args, variants, cfg, _WORKERS, model_flops)
 
-        torch.set_num_threads(args.threads)
-
-        result = _WORKERS[args.worker](cfg, args)
-
-        print(json.dumps(result))
-
-        return
-
-    print(json.dumps(run_rounds(__file__, args, asdict(cfg), variants, model_flops(cfg))))
 
 if __name__ == "__main__":
     main()

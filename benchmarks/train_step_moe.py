@@ -36,21 +36,21 @@ one sequence of 4,096 tokens.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Final, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
 from train_step import (
     _max_rss_mib,
     add_run_options,
+    add_step_options,
     full_attention_flops,
     check_run_options,
     is_full_attention_layer,
     measure,
     prepare_model,
-    run_rounds,
+    run_benchmark,
     start_cuda_stats,
     step_context,
     synchronizer,
@@ -360,12 +360,8 @@ _WORKERS = {"ours": _run_ours, "reference": _run_reference, "floor": _run_floor}
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--num-warmup", type=int, default=1)
-    parser.add_argument("--num-steps", type=int, default=3)
-    parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
+    add_step_options(parser)
     parser.add_argument("--expert-dispatch", choices=EXPERT_DISPATCHES, default="auto")
-    parser.add_argument("--rounds", type=int, default=1)
     add_run_options(parser, SHAPES)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
 
@@ -384,18 +380,8 @@ def main() -> None:
     if args.seq_len is not None:
         cfg = replace(cfg, seq_len=args.seq_len)
 
-    if args.worker is not None:
-        import torch
+    run_benchmark(__file__, args, variants, cfg, _WORKERS, model_flops)
 
-        torch.set_num_threads(args.threads)
-
-        result = _WORKERS[args.worker](cfg, args)
-
-        print(json.dumps(result))
-
-        return
-
-    print(json.dumps(run_rounds(__file__, args, asdict(cfg), variants, model_flops(cfg))))
 
 if __name__ == "__main__":
     main()
