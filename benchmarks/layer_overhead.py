@@ -51,7 +51,7 @@ from train_step import (
 )
 
 
-def _best_of_rounds(steps: dict[str, Callable[[], None]], args: argparse.Namespace) -> dict[str, list[float]]:
+def _alternating_times(steps: dict[str, Callable[[], None]], args: argparse.Namespace) -> dict[str, list[float]]:
     """Runs each of ``steps`` for ``--num-warmup`` untimed and ``--num-steps``
     timed steps, one after the other, ``--rounds`` times; returns the wall
     times in milliseconds of each."""
@@ -133,7 +133,7 @@ def measure_modules(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, Any
         if kind is not None:
             steps[f"{name}_gemms"] = gemm_step(shapes[kind], num_tokens, "cpu", torch.float32)
 
-    times = _best_of_rounds(steps, args)
+    times = _alternating_times(steps, args)
 
     report: dict[str, Any] = {}
 
