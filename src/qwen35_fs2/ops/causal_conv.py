@@ -256,8 +256,10 @@ def _convolve(history: Tensor, taps: Tensor) -> Tensor:
     """``pre[:, r] = sum_j taps[j] * history[:, r + j]``.
 
     :param taps: The kernels as ``[W, D]``, a contiguous row per tap: a
-        strided column of the ``[D, W]`` weight makes every multiply-add a
-        non-vectorized loop (five times slower on CPU, eager and inductor).
+        strided column of the ``[D, W]`` weight makes every eager
+        multiply-add a non-vectorized loop (five times slower on CPU).
+        Inductor reads through the transpose and still emits a scalar loop
+        (docs/performance.md).
     """
     width = taps.size(0)
 
