@@ -760,20 +760,19 @@ def run_fields(result: dict[str, Any], flops: int, step_s: float, peak: float | 
     return fields
 
 
-def run_rounds(
-    script: str, args: argparse.Namespace, config: dict[str, object], variants: list[str], model_flops: int
-) -> dict[str, Any]:
+def run_rounds(script: str, args: argparse.Namespace, cfg: Any, variants: list[str], model_flops: int) -> dict[str, Any]:
     """Runs ``script``'s ``variants`` in fresh processes, ``--rounds`` times
     interleaved, and returns the report: per variant its fastest step of all
     rounds (the memory and profile of that round), the median step and the
     fastest CPU time; then the speedup over the reference and the fractions
     of the floor, in wall and CPU time.
 
-    :param config: The benchmark's configuration, as reported.
+    :param cfg: The benchmark's configuration (a dataclass with
+        ``batch_size`` and ``seq_len``).
     :param model_flops: The FLOPs of a step of ``ours`` and ``reference``
         that their MFU counts.
     """
-    num_tokens = config["batch_size"] * config["seq_len"]  # type: ignore[operator]
+    num_tokens = cfg.batch_size * cfg.seq_len
 
     results: dict[str, list[dict[str, Any]]] = {variant: [] for variant in variants}
 
@@ -784,7 +783,7 @@ def run_rounds(
     header, peak = run_header(args, (r[0] for r in results.values()))
 
     report: dict[str, Any] = {
-        "config": config,
+        "config": asdict(cfg),
         "threads": args.threads,
         "rounds": args.rounds,
         "cpu": cpu_model(),
@@ -857,7 +856,7 @@ def run_benchmark(
 
         return
 
-    print(json.dumps(run_rounds(script, args, asdict(cfg), variants, model_flops(cfg))))
+    print(json.dumps(run_rounds(script, args, cfg, variants, model_flops(cfg))))
 
 
 def build_parser() -> argparse.ArgumentParser:
