@@ -240,7 +240,8 @@ def _get_plain_projection_params(proj: Projection) -> tuple[Tensor, Tensor | Non
     if isinstance(proj, ColumnShardedLinear) and proj.sharded:
         return None
 
-    if isinstance(proj, TiedProjection | Linear | ColumnShardedLinear):
+    # A tuple, not a union: dynamo cannot trace `isinstance` with a union.
+    if isinstance(proj, (TiedProjection, Linear, ColumnShardedLinear)):
         return proj.weight, proj.bias
 
     return None
@@ -558,9 +559,14 @@ def install_chunked_lm_loss(
         # The loss gets the trunk's output, but the head needs the layout.
         model.register_forward_pre_hook(pass_batch_layout_to_mtp, with_kwargs=True)
 
-    loss_fn = partial(_compute_chunked_fused_loss, chunk_size=chunk_size, mtp_loss=mtp_loss)
+    # A Python function, not a `partial`: `compile_loss` compiles this
+    # method, and dynamo cannot trace a method whose function is a `partial`.
+    def compute_fused_loss(model: TransformerLM, decoder_output: Tensor, targets: Tensor, **kwargs: Any) -> Tensor:
+        return _compute_chunked_fused_loss(
+            model, decoder_output, targets, chunk_size=chunk_size, mtp_loss=mtp_loss, **kwargs
+        )
 
-    model.compute_fused_loss = MethodType(loss_fn, model)  # type: ignore[method-assign]
+    model.compute_fused_loss = MethodType(compute_fused_loss, model)  # type: ignore[method-assign]
 
     return model
 

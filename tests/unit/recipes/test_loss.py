@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import math
 from typing import Literal
 
@@ -9,12 +10,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.amp import GradScaler
 
+from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, Linear, Projection
 from fairseq2.nn.functional import cross_entropy
 
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
-from qwen35_fs2.recipes.loss import chunked_cross_entropy, install_chunked_lm_loss
+from qwen35_fs2.recipes.loss import MtpLossMode, chunked_cross_entropy, install_chunked_lm_loss
 
 VOCAB_SIZE = 37
 MODEL_DIM = 8
@@ -358,6 +360,64 @@ class TestInstallChunkedLMLoss:
     def test_install_replaces_the_loss_of_the_model(self) -> None:
         model = install_chunked_lm_loss(create_qwen35_model(tiny_qwen35_config()))
 
-        loss_fn = model.compute_fused_loss.__func__.func  # type: ignore[attr-defined]
+        loss_fn = model.compute_fused_loss.__func__  # type: ignore[attr-defined]
 
-        assert loss_fn.__name__ == "_compute_chunked_fused_loss"
+        assert loss_fn.__qualname__.startswith("install_chunked_lm_loss.")
+
+    @pytest.mark.parametrize("mtp_loss", ["off", "train"])
+    def test_compiled_loss_has_no_graph_break_and_matches_eager(self, mtp_loss: MtpLossMode) -> None:
+        # `compile: true` in the recipes compiles the loss with fairseq2's
+        # `compile_loss`, where a graph break passes unseen; `fullgraph=True`
+        # makes one fail here. `aot_eager` traces what inductor would, in
+        # seconds. The eager loss is tested against fairseq2's unchunked one
+        # above (and the MTP head's in test_mtp_loss.py).
+        config = tiny_qwen35_config()
+
+        config.pad_idx = 0
+
+        config.mtp_num_layers = 1
+
+        torch.manual_seed(1)
+
+        model = install_chunked_lm_loss(create_qwen35_model(config), chunk_size=5, mtp_loss=mtp_loss)
+
+        compiled_model = copy.deepcopy(model)
+
+        seqs = torch.randint(0, config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+        seqs[0, 3] = 0
+
+        target_mask = torch.ones_like(seqs, dtype=torch.bool)
+        target_mask[1, :4] = False
+
+        layout = BatchLayout.of(seqs[:, :-1])
+
+        targets, mask = seqs[:, 1:], target_mask[:, 1:]
+
+        torch._dynamo.reset()
+
+        compiled_model.compile_loss(backend="aot_eager", fullgraph=True)
+
+        def run(model: TransformerLM) -> dict[str, Tensor]:
+            loss = model(seqs[:, :-1], layout, targets, target_mask=mask, label_smoothing=0.1)
+
+            results = {"loss": loss.detach()}
+
+            mtp = model.mtp.pop_loss()  # type: ignore[union-attr,operator]
+
+            if mtp is not None:
+                loss = loss + mtp.nll_loss
+
+                results |= {"mtp_loss": mtp.nll_loss.detach(), "mtp_targets": mtp.num_targets}
+
+            loss.backward()
+
+            return results | {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+        expected, actual = run(model), run(compiled_model)
+
+        assert ("mtp_loss" in expected) == (mtp_loss == "train")
+
+        assert actual.keys() == expected.keys()
+
+        for name, value in expected.items():
+            torch.testing.assert_close(actual[name], value, msg=name)
