@@ -25,19 +25,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import sys
 import time
 from typing import Any
 
 # The process handling is shared with the training-step benchmarks.
-from train_step import spawn_worker
+from train_step import max_rss_mib, spawn_worker
 
-
-
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _kernel(variant: str) -> Any:
@@ -103,7 +98,7 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         kernel(*leaves)
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
     times, cpu_times = [], []
 
@@ -123,7 +118,7 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
     return {
         "times": times,
         "cpu_times": cpu_times,
-        "step_peak_above_inputs_mib": _max_rss_mib() - baseline_rss,
+        "step_peak_above_inputs_mib": max_rss_mib() - baseline_rss,
         "saved_for_backward_mib": sum(saved.values()) / 2**20,
     }
 

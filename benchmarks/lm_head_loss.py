@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import time
@@ -42,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 # The process handling is shared with the training-step benchmarks.
-from train_step import REPO_ROOT, spawn_worker
+from train_step import REPO_ROOT, max_rss_mib, spawn_worker
 
 PREVIOUS_REV = "e2700f58bfe531601e1e643c5fd5eb052cdaef40"
 
@@ -50,10 +49,6 @@ PREVIOUS_REV = "e2700f58bfe531601e1e643c5fd5eb052cdaef40"
 PREVIOUS_LOSS_PATH = "src/qwen35_fs2/models/loss.py"
 
 VARIANTS = ("ours", "previous", "fairseq2", "floor")
-
-
-def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _rss_mib() -> float:
@@ -154,7 +149,7 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
 
     inputs_rss = _rss_mib()
 
-    startup_peak = _max_rss_mib()
+    startup_peak = max_rss_mib()
 
     fwd_times, bwd_times, cpu_times = [], [], []
 
@@ -168,7 +163,7 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
         middle = time.perf_counter()
 
         if step == 0:
-            forward_peak = _max_rss_mib() - inputs_rss
+            forward_peak = max_rss_mib() - inputs_rss
 
             held_after_forward = _rss_mib() - inputs_rss
 
@@ -194,7 +189,7 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
         "startup_peak_mib": startup_peak,
         "forward_peak_above_inputs_mib": forward_peak,
         "held_after_forward_mib": held_after_forward,
-        "step_peak_above_inputs_mib": _max_rss_mib() - inputs_rss,
+        "step_peak_above_inputs_mib": max_rss_mib() - inputs_rss,
         "saved_for_backward_mib": sum(saved.values()) / 2**20,
         "weight_grad_mib": proj.weight.numel() * proj.weight.element_size() / 2**20,
     }

@@ -54,8 +54,16 @@ from typing import Any, TypeAlias
 
 # The configuration and the measurement code are the training-step
 # benchmarks'.
-from train_step import BenchConfig, _max_rss_mib, cpu_model, gemm_shapes, ours_config, reference_config, spawn_worker
-from train_step_moe import _time_steps_with_cpu
+from train_step import (
+    BenchConfig,
+    cpu_model,
+    gemm_shapes,
+    max_rss_mib,
+    ours_config,
+    reference_config,
+    spawn_worker,
+    time_steps_with_cpu,
+)
 
 # `qwen35_fs2.lora.LORA_TARGET_MODULES`, spelled out: the reference worker
 # runs transformers 5.x and must not import our package.
@@ -101,9 +109,9 @@ def _train(
 
         optimizer.zero_grad(set_to_none=True)
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
-    times, cpu_times = _time_steps_with_cpu(step, args.num_warmup, args.num_steps)
+    times, cpu_times = time_steps_with_cpu(step, args.num_warmup, args.num_steps)
 
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
@@ -128,7 +136,7 @@ def _train(
         "times": times,
         "cpu_times": cpu_times,
         "baseline_rss_mib": baseline_rss,
-        "peak_rss_mib": _max_rss_mib(),
+        "peak_rss_mib": max_rss_mib(),
         "params": sum(p.numel() for p in params),
         "trainable_params": sum(p.numel() for p in params if p.requires_grad),
         "grad_bytes": grad_bytes,
@@ -237,7 +245,7 @@ def _run_floor(cfg: BenchConfig, args: argparse.Namespace, lora: bool) -> Worker
             if dw:
                 dy.t() @ x
 
-    times, cpu_times = _time_steps_with_cpu(step, args.num_warmup, args.num_steps)
+    times, cpu_times = time_steps_with_cpu(step, args.num_warmup, args.num_steps)
 
     return {"times": times, "cpu_times": cpu_times, "flops": flops}
 

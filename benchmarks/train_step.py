@@ -328,7 +328,10 @@ def compile_stats() -> dict[str, int]:
     return {"unique_graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
 
 
-def _max_rss_mib() -> float:
+def max_rss_mib() -> float:
+    """The process's peak resident memory so far in MiB (``ru_maxrss``,
+    which never decreases: differences of two readings are peaks above a
+    baseline)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -416,7 +419,7 @@ def measure(step: Callable[[], None], args: argparse.Namespace, device: Any, bas
         "times": times,
         "cpu_times": cpu_times,
         "baseline_rss_mib": baseline_rss,
-        "peak_rss_mib": _max_rss_mib(),
+        "peak_rss_mib": max_rss_mib(),
         **read_cuda_stats(),
     }
 
@@ -479,7 +482,7 @@ def _run_ours(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, object]:
 
     layout = BatchLayout.of(inputs)
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
     def step() -> None:
         with step_context(args, device):
@@ -533,7 +536,7 @@ def _run_reference(cfg: BenchConfig, args: argparse.Namespace) -> dict[str, obje
 
     device = torch.device("cpu")
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
     def step() -> None:
         with step_context(args, device):

@@ -42,12 +42,12 @@ from typing import Any, Final, TypeAlias
 
 # The measurement code is shared with the dense benchmark.
 from train_step import (
-    _max_rss_mib,
     add_run_options,
     add_step_options,
     full_attention_flops,
     check_run_options,
     is_full_attention_layer,
+    max_rss_mib,
     measure,
     prepare_model,
     run_benchmark,
@@ -178,7 +178,7 @@ def _run_ours(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResult:
 
     layout = BatchLayout.of(inputs)
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
     def step() -> None:
         # The recipes add the load-balancing loss under autocast too.
@@ -237,7 +237,7 @@ def _run_reference(cfg: MoeBenchConfig, args: argparse.Namespace) -> WorkerResul
 
     device = torch.device("cpu")
 
-    baseline_rss = _max_rss_mib()
+    baseline_rss = max_rss_mib()
 
     def step() -> None:
         with step_context(args, device):
