@@ -73,7 +73,7 @@ def test_compiled_packed_sft_matches_eager_and_stops_recompiling(tmp_path: Path)
     # first with another number of documents compiles the Gated DeltaNet
     # layers with that one dynamic too; inductor may compile a graph once
     # more for another range of sizes (measured: the loss, for 128 tokens or
-    # fewer). The validation at step 25 compiles the graphs without
+    # fewer, while it broke into three graphs; as one graph it does not). The validation at step 25 compiles the graphs without
     # gradients (seen at step 26). Then no packing compiles anything: no
     # recompilation from step 27 to step 50, through the second validation.
     growths = [step for step in range(2, 26) if graphs[step - 1] > graphs[step - 2]]
