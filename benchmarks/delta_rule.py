@@ -34,7 +34,6 @@ from typing import Any
 from train_step import max_rss_mib, spawn_worker
 
 
-
 def _kernel(variant: str) -> Any:
     if variant == "ours":
         from qwen35_fs2.ops import chunk_gated_delta_rule
