@@ -191,6 +191,7 @@ def add_step_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--seq-len", type=int, help="the tokens of a sequence (default: the shape's, 1024 for `reference`)")
     parser.add_argument("--rounds", type=int, default=1, help="run the variants this many times, interleaved; the fastest step counts")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="list the N operators with the most self CPU time")
 
 
 def add_run_options(parser: argparse.ArgumentParser, shapes: Iterable[str]) -> None:
@@ -229,7 +230,7 @@ def check_run_options(parser: argparse.ArgumentParser, args: argparse.Namespace)
         if args.compile:
             parser.error("`--variants` must leave out `reference` with `--compile`, which compiles `ours` only.")
 
-    if getattr(args, "profile", 0) and args.device != "cpu":
+    if args.profile and args.device != "cpu":
         parser.error(f"`--profile` lists self CPU time and needs `--device cpu`, but `--device` is {args.device} instead.")
 
     return [variant for variant in VARIANTS if variant in variants]
@@ -426,7 +427,7 @@ def measure(step: Callable[[], None], args: argparse.Namespace, device: Any, bas
     if args.compile:
         result["compile"] = compile_stats()
 
-    if getattr(args, "profile", 0):
+    if args.profile:
         result["profile"] = _profile_step(step, args.profile)
 
     return result
@@ -866,7 +867,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 
     add_step_options(parser)
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="list the N operators with the most self CPU time")
     add_run_options(parser, SHAPES)
     parser.add_argument("--worker", choices=list(_WORKERS), help=argparse.SUPPRESS)
 

@@ -26,6 +26,9 @@ Prints one JSON line. Example::
 
     .venv/bin/python benchmarks/train_step_moe.py --threads 2 --rounds 3
 
+With ``--profile N``, as in ``train_step.py``, the report lists the N
+operators with the most self CPU time in one extra profiled step.
+
 The options for GPUs are those of ``train_step.py`` (``--device cuda``,
 ``--dtype bf16``, ``--backend fla``, ``--compile``, ``--variants``), with
 ``--shape 35b-a3b-4k``: Qwen3.5-35B-A3B's layers (the smallest released MoE

@@ -90,7 +90,9 @@ class TestCommandLine:
 
     @pytest.mark.slow
     def test_moe_run_reports_its_options_and_the_cpu_fields(self) -> None:
-        report = _report(_run("train_step_moe.py", "--variants=ours", "--seq-len=16", "--num-warmup=1", "--num-steps=1"))
+        report = _report(
+            _run("train_step_moe.py", "--variants=ours", "--seq-len=16", "--num-warmup=1", "--num-steps=1", "--profile=3")
+        )
 
         assert (report["device"], report["dtype"], report["shape"]) == ("cpu", "fp32", "reference")
 
@@ -102,6 +104,13 @@ class TestCommandLine:
 
         assert len(ours["warmup_step_s"]) == 1
 
+        # `--profile=3`: the three operators with the most self CPU time.
+        profile = ours["profile"]
+
+        assert len(profile) == 3 and all(entry["op"] and entry["calls"] > 0 for entry in profile)
+
+        assert [entry["self_ms"] for entry in profile] == sorted((entry["self_ms"] for entry in profile), reverse=True)
+
     @pytest.mark.parametrize("script", ["train_step.py", "train_step_moe.py"])
     @pytest.mark.parametrize(
         "options, message",
@@ -110,6 +119,7 @@ class TestCommandLine:
             (["--device=cuda"], "`--variants` must leave out `reference` with `--device cuda`"),
             (["--compile"], "`--variants` must leave out `reference` with `--compile`"),
             (["--variants=ours,fastest"], "`--variants` must list some of floor, ours, reference, but includes 'fastest' instead."),
+            (["--device=cuda", "--variants=ours", "--profile=5"], "`--profile` lists self CPU time and needs `--device cpu`"),
         ],
     )
     def test_options_that_cannot_go_together_are_refused(self, script: str, options: list[str], message: str) -> None:
