@@ -9,27 +9,17 @@ moved."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_runner import read_report, run_benchmark_script
 
 pytestmark = pytest.mark.slow
 
 
 def _report(script: str, *options: str) -> dict[str, Any]:
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *options], capture_output=True, text=True, timeout=600
-    )
-
-    assert result.returncode == 0, result.stderr
-
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return read_report(run_benchmark_script(script, *options))
 
 
 def test_delta_rule_reports_ours_and_the_reference() -> None:

@@ -4,28 +4,16 @@ add up."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+from benchmark_runner import read_report, run_benchmark_script
 
 
 @pytest.mark.slow
 def test_reports_each_module_and_its_gemms() -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "layer_overhead.py"), "--seq-len=32", "--num-warmup=1", "--num-steps=2", "--rounds=2"],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    report = read_report(
+        run_benchmark_script("layer_overhead.py", "--seq-len=32", "--num-warmup=1", "--num-steps=2", "--rounds=2")
     )
-
-    assert result.returncode == 0, result.stderr
-
-    report = json.loads(result.stdout.strip().splitlines()[-1])
 
     assert report["config"]["seq_len"] == 32 and report["rounds"] == 2 and report["cpu"]["model_name"]
 

@@ -7,12 +7,8 @@ gpu-check``'s (``scripts/gpu_check.py``)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import subprocess
 import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,9 +21,7 @@ from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model, get_qwen35_moe
 from qwen35_fs2.nn.moe.experts import RoutedExperts
 from qwen35_fs2.nn.moe.router import TopKRouter
 
-REPO = Path(__file__).resolve().parents[2]
-
-BENCHMARKS = REPO / "benchmarks"
+from benchmark_runner import BENCHMARKS, read_report, run_benchmark_script
 
 # `train_step_moe.py` imports `train_step` as its neighbour.
 sys.path.insert(0, str(BENCHMARKS))
@@ -39,23 +33,11 @@ import train_step_moe  # noqa: E402
 _BENCHMARK_FIELDS = {"max_seq_len", "pad_idx", "gdn_backend"}
 
 
-def _run(script: str, *options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *options], capture_output=True, text=True, env=env, timeout=600
-    )
-
-
-def _report(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    assert result.returncode == 0, result.stderr
-
-    return json.loads(result.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 class TestCommandLine:
     @pytest.mark.slow
     def test_dense_run_reports_its_options_and_the_cpu_fields(self) -> None:
-        report = _report(
-            _run("train_step.py", "--variants=floor,ours", "--dtype=bf16", "--seq-len=16", "--num-warmup=1", "--num-steps=1")
+        report = read_report(
+            run_benchmark_script("train_step.py", "--variants=floor,ours", "--dtype=bf16", "--seq-len=16", "--num-warmup=1", "--num-steps=1")
         )
 
         assert report["config"]["seq_len"] == 16
@@ -90,8 +72,8 @@ class TestCommandLine:
 
     @pytest.mark.slow
     def test_moe_run_reports_its_options_and_the_cpu_fields(self) -> None:
-        report = _report(
-            _run("train_step_moe.py", "--variants=ours", "--seq-len=16", "--num-warmup=1", "--num-steps=1", "--profile=3")
+        report = read_report(
+            run_benchmark_script("train_step_moe.py", "--variants=ours", "--seq-len=16", "--num-warmup=1", "--num-steps=1", "--profile=3")
         )
 
         assert (report["device"], report["dtype"], report["shape"]) == ("cpu", "fp32", "reference")
@@ -123,7 +105,7 @@ class TestCommandLine:
         ],
     )
     def test_options_that_cannot_go_together_are_refused(self, script: str, options: list[str], message: str) -> None:
-        result = _run(script, *options)
+        result = run_benchmark_script(script, *options)
 
         assert result.returncode == 2
 
@@ -132,7 +114,7 @@ class TestCommandLine:
     def test_cuda_without_a_device_fails_clearly(self) -> None:
         env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
 
-        result = _run("train_step.py", "--device=cuda", "--dtype=bf16", "--variants=floor", "--seq-len=16", env=env)
+        result = run_benchmark_script("train_step.py", "--device=cuda", "--dtype=bf16", "--variants=floor", "--seq-len=16", env=env)
 
         assert result.returncode != 0
 
