@@ -31,15 +31,16 @@ def resolve_gdn_backend(requested: GdnBackendRequest, device: torch.device) -> G
     so that a model moved to another device runs the kernels that device can
     run (cheap: what it imports and checks is cached).
 
-    ``auto`` means ``fla`` on CUDA when fla-core imports, and ``torch``
-    otherwise; falling back to ``torch`` on CUDA logs a warning (once per
-    process and reason). ``fla`` on CPU is accepted only under Triton's
+    ``auto`` means ``fla`` on CUDA when fla-core imports and can train on
+    the GPU, and ``torch`` otherwise; falling back to ``torch`` on CUDA logs
+    a warning (once per process and reason). ``fla`` on CPU is accepted only under Triton's
     interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, which runs the
     kernels in Python on the host; the tests use it); ``auto`` never picks it
     there. Never called at import time: it imports fla.
 
     :raises NotSupportedError: ``fla`` is requested but the device cannot run
-        it or fla-core cannot be imported.
+        it, fla-core cannot be imported, or fla-core refuses to train on the
+        GPU.
     """
     if requested == "torch":
         return "torch"
@@ -76,9 +77,7 @@ def _resolve(
         return "fla"
 
     if requested == "fla":
-        raise NotSupportedError(
-            f"The 'fla' Gated DeltaNet backend needs fla-core>={_MIN_FLA_VERSION} (`pip install qwen35-fs2[fast]`), but {reason}."
-        )
+        raise NotSupportedError(f"The 'fla' Gated DeltaNet backend cannot be used: {reason}.")
 
     _warn_fla_fallback(reason)
 
@@ -88,8 +87,8 @@ def _resolve(
 @cache
 @torch.compiler.assume_constant_result
 def fla_unavailable_reason() -> str | None:
-    """Returns why fla-core cannot be used, or ``None`` if it can. Imports
-    fla (slow) on the first call only.
+    """Returns why fla-core cannot be used, with what to install, or
+    ``None`` if it can. Imports fla (slow) on the first call only.
 
     Under ``torch.compile`` it runs once as the graph is traced and its
     result is a constant of the graph; dynamo would otherwise trace into the
@@ -103,7 +102,7 @@ def fla_unavailable_reason() -> str | None:
         importlib.import_module("fla.modules.fused_norm_gate")
     except Exception as ex:  # fla fails with more than `ImportError` on odd setups.
         if _is_absent(ex, "fla"):
-            return "`fla` cannot be imported: it is not installed"
+            return f"`fla` cannot be imported: it is not installed (`pip install qwen35-fs2[fast]` installs fla-core>={_MIN_FLA_VERSION})"
 
         log.warning("fla-core is installed but cannot be imported: {}: {}", type(ex).__name__, ex)
 
@@ -119,9 +118,42 @@ def fla_unavailable_reason() -> str | None:
     # Pre-releases and development builds of 0.6.0 and later are as new as
     # 0.6.0 for this check.
     if Version(version.base_version) < _MIN_FLA_VERSION:
-        return f"fla-core {version_string} is installed"
+        return f"it needs fla-core>={_MIN_FLA_VERSION}, but fla-core {version_string} is installed (`pip install qwen35-fs2[fast]`)"
 
-    return None
+    return _fla_backward_refusal()
+
+
+def _fla_backward_refusal() -> str | None:
+    """Returns why fla-core refuses the backward pass of its gated delta
+    rule on this machine's GPU, or ``None`` if it runs it.
+
+    fla-core raises in that backward on Hopper GPUs (H100, H200) with Triton
+    3.4.0 to 3.7.0, which compile one of its kernels wrong there (fla issue
+    #640), unless its TileLang backend takes that kernel over. The forward
+    pass runs, so without this check a training run would fail at its first
+    backward pass (found on an H200 with Triton 3.6.0; fairseq2 0.8.1's
+    torch 2.9.1 comes with Triton 3.5.1). The flags are read where fla's own
+    check reads them, so that the two agree; a test pins that fla raises
+    under them.
+    """
+    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
+
+    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+        return None
+
+    tilelang = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend
+
+    # fla's backends are bypassed altogether with FLA_DISABLE_BACKEND_DISPATCH=1.
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1" and tilelang.is_available() and tilelang().is_enabled():
+        return None
+
+    triton_version = importlib.import_module("triton").__version__
+
+    return (
+        f"fla-core refuses to train on Hopper GPUs with Triton {triton_version}, which compiles its Gated DeltaNet "
+        "backward wrong there (fla issue #640; Triton 3.4.0 to 3.7.0); install Triton>=3.7.1 or TileLang "
+        "(`pip install tilelang`)"
+    )
 
 
 @cache
@@ -157,7 +189,5 @@ def _is_absent(ex: Exception, package: str) -> bool:
 @cache
 def _warn_fla_fallback(reason: str) -> None:
     log.warning(
-        "The Gated DeltaNet layers fall back to their PyTorch kernels on CUDA "
-        "(much slower than fla's) because {}. Install qwen35-fs2[fast] to use fla.",
-        reason,
+        "The Gated DeltaNet layers fall back to their PyTorch kernels on CUDA (much slower than fla's): {}.", reason
     )

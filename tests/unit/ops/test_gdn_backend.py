@@ -81,7 +81,7 @@ class TestResolveGdnBackend:
             resolve_gdn_backend("fla", CPU)
 
     def test_raises_error_when_fla_is_asked_but_missing(self, fla_missing: None) -> None:
-        with pytest.raises(NotSupportedError, match=r"needs fla-core>=0.6.0 .* but `fla` cannot be imported"):
+        with pytest.raises(NotSupportedError, match=r"cannot be used: `fla` cannot be imported: it is not installed \(`pip install qwen35-fs2\[fast\]` installs fla-core>=0.6.0\)\."):
             resolve_gdn_backend("fla", CUDA)
 
     def test_raises_error_when_fla_is_too_old(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,7 +96,7 @@ class TestResolveGdnBackend:
         monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=import_module))
 
         try:
-            with pytest.raises(NotSupportedError, match="fla-core 0.4.1 is installed"):
+            with pytest.raises(NotSupportedError, match=r"cannot be used: it needs fla-core>=0.6.0, but fla-core 0.4.1 is installed"):
                 resolve_gdn_backend("fla", CUDA)
         finally:
             backend_module.fla_unavailable_reason.cache_clear()
@@ -158,6 +158,8 @@ def fake_fla_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str]
 
         fake_fla = types.ModuleType("fla")
         fake_fla.__version__ = version  # type: ignore[attr-defined]
+        # It also stands for `fla.ops.common.chunk_o`: not a Hopper GPU.
+        fake_fla.IS_NVIDIA_HOPPER = False  # type: ignore[attr-defined]
 
         monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=lambda name: fake_fla))
 
@@ -179,7 +181,9 @@ class TestFlaDetection:
     def test_rejects_older_versions(self, fake_fla_version: Callable[[str], None], version: str) -> None:
         fake_fla_version(version)
 
-        assert backend_module.fla_unavailable_reason() == f"fla-core {version} is installed"
+        assert backend_module.fla_unavailable_reason() == (
+            f"it needs fla-core>=0.6.0, but fla-core {version} is installed (`pip install qwen35-fs2[fast]`)"
+        )
 
     def test_rejects_an_unreadable_version(self, fake_fla_version: Callable[[str], None]) -> None:
         fake_fla_version("not-a-version")
@@ -205,6 +209,148 @@ class TestFlaDetection:
         assert reason == "`fla` cannot be imported (ImportError: libcuda.so.1: cannot open shared object file)"
 
         assert any("libcuda.so.1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def hopper_with_triton_3_6(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Sets the flags that fla-core reads in its gated delta rule backward
+    to those of an H200 with Triton 3.6.0 (where we found fla refusing it):
+    not a mock of our code, but of the machine fla sees."""
+    from fla.ops.common import chunk_o
+
+    monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", True)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+
+    backend_module.fla_unavailable_reason.cache_clear()
+    backend_module._warn_fla_fallback.cache_clear()
+
+    yield
+
+    backend_module.fla_unavailable_reason.cache_clear()
+    backend_module._warn_fla_fallback.cache_clear()
+
+
+def _call_fla_gated_backward() -> None:
+    """Calls the kernel of fla's gated delta rule backward that fla refuses
+    on Hopper GPUs with Triton 3.4.0 to 3.7.0; its check comes before any
+    launch, so tiny CPU tensors reach it."""
+    from fla.ops.common import chunk_o
+
+    x = torch.zeros(1, 64, 1, 16)
+
+    chunk_o.chunk_bwd_dqkwg(q=x, k=x, v=x, do=x, h=torch.zeros(1, 1, 1, 16, 16), dh=torch.zeros(1, 1, 1, 16, 16), w=x, g=torch.zeros(1, 64, 1), dv=x)
+
+
+class TestFlaRefusesHopperWithOldTriton:
+    """fla-core 0.6.0 raises in the gated delta rule's backward on Hopper
+    GPUs with Triton 3.4.0 to 3.7.0 (fla issue #640) unless its TileLang
+    backend is usable: ``auto`` must not pick fla there, and ``fla`` must
+    fail before training starts, not at its first backward pass."""
+
+    def test_fla_raises_under_these_flags(self, hopper_with_triton_3_6: None) -> None:
+        # Pins the behaviour our check mirrors.
+        with pytest.raises(RuntimeError, match=r"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs .* #640"):
+            _call_fla_gated_backward()
+
+    def test_reason_names_the_gpu_the_triton_version_and_the_remedies(self, hopper_with_triton_3_6: None) -> None:
+        import triton
+
+        reason = backend_module.fla_unavailable_reason()
+
+        assert reason is not None
+
+        assert f"Hopper GPUs with Triton {triton.__version__}" in reason
+        assert "fla issue #640" in reason
+        assert "install Triton>=3.7.1 or TileLang (`pip install tilelang`)" in reason
+
+    def test_auto_picks_torch_with_one_warning(self, hopper_with_triton_3_6: None, caplog: pytest.LogCaptureFixture) -> None:
+        with caplog.at_level(logging.WARNING):
+            assert resolve_gdn_backend("auto", CUDA) == "torch"
+            assert resolve_gdn_backend("auto", CUDA) == "torch"
+
+        warnings = [r.getMessage() for r in caplog.records if "fall back to their PyTorch kernels" in r.getMessage()]
+
+        assert len(warnings) == 1
+
+        assert "fla issue #640" in warnings[0]
+
+    def test_fla_raises_error_before_training(self, hopper_with_triton_3_6: None) -> None:
+        with pytest.raises(NotSupportedError, match=r"The 'fla' Gated DeltaNet backend cannot be used: fla-core refuses to train on Hopper GPUs"):
+            resolve_gdn_backend("fla", CUDA)
+
+    def test_triton_3_7_1_is_accepted(self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        from fla.ops.common import chunk_o
+
+        monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+
+        assert backend_module.fla_unavailable_reason() is None
+
+    def test_other_gpus_are_accepted(self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        from fla.ops.common import chunk_o
+
+        monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", False)
+
+        assert backend_module.fla_unavailable_reason() is None
+
+    def test_usable_tilelang_is_accepted_unless_fla_dispatch_is_off(
+        self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # TileLang cannot be installed here; its availability is what fla
+        # asks its backend class.
+        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+
+        monkeypatch.setattr(CommonTileLangBackend, "is_available", classmethod(lambda cls: True))
+        # fla enables it by default on Hopper with Triton>=3.4.0, a flag it
+        # computed at import on this machine.
+        monkeypatch.setattr(CommonTileLangBackend, "default_enable", True)
+
+        assert backend_module.fla_unavailable_reason() is None
+
+        backend_module.fla_unavailable_reason.cache_clear()
+
+        monkeypatch.setenv("FLA_TILELANG", "0")
+
+        assert backend_module.fla_unavailable_reason() is not None
+
+        backend_module.fla_unavailable_reason.cache_clear()
+
+        monkeypatch.delenv("FLA_TILELANG")
+        monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
+
+        assert backend_module.fla_unavailable_reason() is not None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_check_agrees_with_fla_on_this_gpu() -> None:
+    """On a real GPU: fla's gated delta rule trains exactly when our check
+    says it can (found refusing on an H200 with Triton 3.6.0)."""
+    fla_gated_delta_rule = pytest.importorskip("fla.ops.gated_delta_rule")
+
+    backend_module.fla_unavailable_reason.cache_clear()
+
+    reason = backend_module.fla_unavailable_reason()
+
+    if reason is not None and "#640" not in reason:
+        pytest.skip(f"fla is unavailable: {reason}")
+
+    q, k, v = (torch.randn(1, 128, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    g = torch.randn(1, 128, 2, device=CUDA).sigmoid().log().requires_grad_()
+    beta = torch.rand(1, 128, 2, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+
+    o, _ = fla_gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+
+    if reason is None:
+        o.sum().backward()
+
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+    else:
+        assert "fla issue #640" in reason, reason
+
+        with pytest.raises(RuntimeError, match="#640"):
+            o.sum().backward()
 
 
 class TestHasCausalConv1d:
