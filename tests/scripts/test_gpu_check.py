@@ -115,7 +115,7 @@ class TestGpuCheck:
 
         report: dict[str, object] = {"benchmarks": []}
 
-        ok = gpu_check.run_benchmarks([_FAILING, _PASSING], time.monotonic() + 600, report, output)
+        ok = gpu_check.run_benchmarks([_FAILING, _PASSING], time.monotonic() + 600, report, output, fla_unavailable=None)
 
         assert not ok
 
@@ -169,13 +169,49 @@ class TestGpuCheck:
     def test_configurations_past_the_budget_are_not_run(self, tmp_path: Path) -> None:
         report: dict[str, object] = {"benchmarks": []}
 
-        ok = gpu_check.run_benchmarks([_PASSING], time.monotonic() + 1, report, tmp_path / "report.json")
+        ok = gpu_check.run_benchmarks([_PASSING], time.monotonic() + 1, report, tmp_path / "report.json", fla_unavailable=None)
 
         assert not ok
 
         assert report["benchmarks"] == [
             {"name": "dense floor", "status": "not run", "error": "the check's time budget was spent."}
         ]
+
+    def test_fla_configurations_are_skipped_with_the_reason_where_fla_cannot_train(self, tmp_path: Path) -> None:
+        reason = "fla-core refuses to train on Hopper GPUs with Triton 3.6.0"
+
+        report: dict[str, object] = {"benchmarks": []}
+
+        # Skipped, not failed, and with no time left for the other one.
+        assert gpu_check.run_benchmarks([_FAILING], time.monotonic() + 1, report, tmp_path / "report.json", fla_unavailable=reason)
+
+        assert report["benchmarks"] == [{"name": "moe fla on cpu", "status": "skipped", "reason": f"fla cannot be used: {reason}."}]
+
+        report = {"benchmarks": []}
+
+        assert not gpu_check.run_benchmarks([_PASSING], time.monotonic() + 1, report, tmp_path / "report.json", fla_unavailable=reason)
+
+        assert report["benchmarks"][0]["status"] == "not run"  # type: ignore[index]
+
+    def test_device_query_reports_whether_fla_can_train(self) -> None:
+        # No GPU here: the query runs with a made-up CUDA device in front of
+        # it; fla's own check then sees no Hopper GPU.
+        fake_device = (
+            "import types, torch\n"
+            "torch.cuda.is_available = lambda: True\n"
+            "torch.cuda.device_count = lambda: 1\n"
+            "torch.cuda.get_device_properties = lambda idx: types.SimpleNamespace(name='NVIDIA H200', major=9, minor=0, total_memory=150 * 2**30)\n"
+        )
+
+        output = subprocess.run(
+            [sys.executable, "-c", fake_device + gpu_check._DEVICE_QUERY], capture_output=True, text=True, check=True
+        ).stdout
+
+        device = json.loads(output.strip().splitlines()[-1])
+
+        assert device["name"] == "NVIDIA H200"
+
+        assert "fla_unavailable" in device and device["fla_unavailable"] is None
 
     def test_test_results_are_counted_from_pytest_s_report(self, tmp_path: Path) -> None:
         (tmp_path / "test_sample.py").write_text(
