@@ -2,9 +2,10 @@
 
 One policy for every custom :class:`torch.autograd.Function` of the package
 (the chunked delta rule, the causal convolution, the fused linear cross
-entropy, the MoE expert GEMMs and row gathers), and for the custom
+entropy, the MoE expert GEMMs and row gathers), for the custom
 operators that compute with PyTorch operations (the MoE experts under
-``torch.compile``):
+``torch.compile``), and for the PyTorch kernel that stands in for one of
+fla's (:mod:`qwen35_fs2.compat.fla_hopper_dqkwg`):
 
 - Autocast never reaches inside them. Their ``forward`` and ``backward`` run
   with autocast disabled for the device of their tensors

@@ -14,6 +14,13 @@ from packaging.version import InvalidVersion, Version
 from fairseq2.error import NotSupportedError
 from fairseq2.logging import log
 
+from qwen35_fs2.compat.fla_hopper_dqkwg import (
+    fla_dispatch_disabled,
+    fla_refuses_gated_backward,
+    fla_tilelang_takes_over,
+    register_torch_chunk_bwd_dqkwg,
+)
+
 GdnBackend: TypeAlias = Literal["torch", "fla"]
 """``torch``: pure PyTorch, runs anywhere. ``fla``: fla-core's Triton kernels
 (and Dao-AILab's ``causal_conv1d`` when installed); CUDA only, or CPU under
@@ -127,32 +134,27 @@ def _fla_backward_refusal() -> str | None:
     """Returns why fla-core refuses the backward pass of its gated delta
     rule on this machine's GPU, or ``None`` if it runs it.
 
-    fla-core raises in that backward on Hopper GPUs (H100, H200) with Triton
-    3.4.0 to 3.7.0, which compile one of its kernels wrong there (fla issue
-    #640), unless its TileLang backend takes that kernel over. The forward
-    pass runs, so without this check a training run would fail at its first
-    backward pass (found on an H200 with Triton 3.6.0; fairseq2 0.8.1's
-    torch 2.9.1 comes with Triton 3.5.1). The flags are read where fla's own
-    check reads them, so that the two agree; a test pins that fla raises
-    under them.
+    fla-core refuses it on Hopper GPUs with Triton 3.4.0 to 3.7.0 (fla issue
+    #640) unless its TileLang backend is usable; there our PyTorch version of
+    the one kernel concerned takes over (:mod:`qwen35_fs2.compat.fla_hopper_dqkwg`),
+    registered here, before any of fla's kernels runs. Only with fla's
+    dispatch turned off can it not, and fla would fail at the first backward
+    pass.
     """
-    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
-
-    if not (chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1):
+    if not fla_refuses_gated_backward() or fla_tilelang_takes_over():
         return None
 
-    tilelang = importlib.import_module("fla.ops.common.backends.tilelang").CommonTileLangBackend
+    if not fla_dispatch_disabled():
+        register_torch_chunk_bwd_dqkwg()
 
-    # fla's backends are bypassed altogether with FLA_DISABLE_BACKEND_DISPATCH=1.
-    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") != "1" and tilelang.is_available() and tilelang().is_enabled():
         return None
 
     triton_version = importlib.import_module("triton").__version__
 
     return (
         f"fla-core refuses to train on Hopper GPUs with Triton {triton_version}, which compiles its Gated DeltaNet "
-        "backward wrong there (fla issue #640; Triton 3.4.0 to 3.7.0); install Triton>=3.7.1 or TileLang "
-        "(`pip install tilelang`)"
+        "backward wrong there (fla issue #640), and FLA_DISABLE_BACKEND_DISPATCH=1 keeps our PyTorch version of "
+        "that kernel from taking over; unset it, or install Triton>=3.7.1 or TileLang (`pip install tilelang`)"
     )
 
 

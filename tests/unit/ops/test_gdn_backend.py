@@ -158,8 +158,6 @@ def fake_fla_version(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str]
 
         fake_fla = types.ModuleType("fla")
         fake_fla.__version__ = version  # type: ignore[attr-defined]
-        # It also stands for `fla.ops.common.chunk_o`: not a Hopper GPU.
-        fake_fla.IS_NVIDIA_HOPPER = False  # type: ignore[attr-defined]
 
         monkeypatch.setattr(backend_module, "importlib", types.SimpleNamespace(import_module=lambda name: fake_fla))
 
@@ -211,60 +209,25 @@ class TestFlaDetection:
         assert any("libcuda.so.1" in r.getMessage() for r in caplog.records)
 
 
-@pytest.fixture
-def hopper_with_triton_3_6(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Sets the flags that fla-core reads in its gated delta rule backward
-    to those of an H200 with Triton 3.6.0 (where we found fla refusing it):
-    not a mock of our code, but of the machine fla sees."""
-    from fla.ops.common import chunk_o
+class TestHopperWithOldTriton:
+    """fla-core 0.6.0 refuses the gated delta rule's backward on Hopper GPUs
+    with Triton 3.4.0 to 3.7.0 (fla issue #640); our PyTorch version of the
+    kernel concerned takes over (``tests/unit/ops/test_fla_hopper.py``),
+    unless fla's dispatch is off."""
 
-    monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", True)
-    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", True)
-    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+    def test_auto_picks_fla_with_ours_taking_over(
+        self, hopper_with_triton_3_6: None, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        with caplog.at_level(logging.WARNING):
+            assert resolve_gdn_backend("auto", CUDA) == "fla"
 
-    backend_module.fla_unavailable_reason.cache_clear()
-    backend_module._warn_fla_fallback.cache_clear()
+        assert not caplog.records
 
-    yield
+    def test_without_fla_dispatch_auto_picks_torch_with_one_warning(
+        self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
-    backend_module.fla_unavailable_reason.cache_clear()
-    backend_module._warn_fla_fallback.cache_clear()
-
-
-def _call_fla_gated_backward() -> None:
-    """Calls the kernel of fla's gated delta rule backward that fla refuses
-    on Hopper GPUs with Triton 3.4.0 to 3.7.0; its check comes before any
-    launch, so tiny CPU tensors reach it."""
-    from fla.ops.common import chunk_o
-
-    x = torch.zeros(1, 64, 1, 16)
-
-    chunk_o.chunk_bwd_dqkwg(q=x, k=x, v=x, do=x, h=torch.zeros(1, 1, 1, 16, 16), dh=torch.zeros(1, 1, 1, 16, 16), w=x, g=torch.zeros(1, 64, 1), dv=x)
-
-
-class TestFlaRefusesHopperWithOldTriton:
-    """fla-core 0.6.0 raises in the gated delta rule's backward on Hopper
-    GPUs with Triton 3.4.0 to 3.7.0 (fla issue #640) unless its TileLang
-    backend is usable: ``auto`` must not pick fla there, and ``fla`` must
-    fail before training starts, not at its first backward pass."""
-
-    def test_fla_raises_under_these_flags(self, hopper_with_triton_3_6: None) -> None:
-        # Pins the behaviour our check mirrors.
-        with pytest.raises(RuntimeError, match=r"Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs .* #640"):
-            _call_fla_gated_backward()
-
-    def test_reason_names_the_gpu_the_triton_version_and_the_remedies(self, hopper_with_triton_3_6: None) -> None:
-        import triton
-
-        reason = backend_module.fla_unavailable_reason()
-
-        assert reason is not None
-
-        assert f"Hopper GPUs with Triton {triton.__version__}" in reason
-        assert "fla issue #640" in reason
-        assert "install Triton>=3.7.1 or TileLang (`pip install tilelang`)" in reason
-
-    def test_auto_picks_torch_with_one_warning(self, hopper_with_triton_3_6: None, caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.WARNING):
             assert resolve_gdn_backend("auto", CUDA) == "torch"
             assert resolve_gdn_backend("auto", CUDA) == "torch"
@@ -275,82 +238,23 @@ class TestFlaRefusesHopperWithOldTriton:
 
         assert "fla issue #640" in warnings[0]
 
-    def test_fla_raises_error_before_training(self, hopper_with_triton_3_6: None) -> None:
-        with pytest.raises(NotSupportedError, match=r"The 'fla' Gated DeltaNet backend cannot be used: fla-core refuses to train on Hopper GPUs"):
-            resolve_gdn_backend("fla", CUDA)
-
-    def test_triton_3_7_1_is_accepted(self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch) -> None:
-        from fla.ops.common import chunk_o
-
-        monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
-
-        assert backend_module.fla_unavailable_reason() is None
-
-    def test_other_gpus_are_accepted(self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch) -> None:
-        from fla.ops.common import chunk_o
-
-        monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", False)
-
-        assert backend_module.fla_unavailable_reason() is None
-
-    def test_usable_tilelang_is_accepted_unless_fla_dispatch_is_off(
+    def test_without_fla_dispatch_fla_raises_error_naming_the_remedies(
         self, hopper_with_triton_3_6: None, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        # TileLang cannot be installed here; its availability is what fla
-        # asks its backend class.
-        from fla.ops.common.backends.tilelang import CommonTileLangBackend
+        import triton
 
-        monkeypatch.setattr(CommonTileLangBackend, "is_available", classmethod(lambda cls: True))
-        # fla enables it by default on Hopper with Triton>=3.4.0, a flag it
-        # computed at import on this machine.
-        monkeypatch.setattr(CommonTileLangBackend, "default_enable", True)
-
-        assert backend_module.fla_unavailable_reason() is None
-
-        backend_module.fla_unavailable_reason.cache_clear()
-
-        monkeypatch.setenv("FLA_TILELANG", "0")
-
-        assert backend_module.fla_unavailable_reason() is not None
-
-        backend_module.fla_unavailable_reason.cache_clear()
-
-        monkeypatch.delenv("FLA_TILELANG")
         monkeypatch.setenv("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
-        assert backend_module.fla_unavailable_reason() is not None
+        with pytest.raises(NotSupportedError) as error:
+            resolve_gdn_backend("fla", CUDA)
 
+        message = str(error.value)
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_check_agrees_with_fla_on_this_gpu() -> None:
-    """On a real GPU: fla's gated delta rule trains exactly when our check
-    says it can (found refusing on an H200 with Triton 3.6.0)."""
-    fla_gated_delta_rule = pytest.importorskip("fla.ops.gated_delta_rule")
+        assert message.startswith(
+            f"The 'fla' Gated DeltaNet backend cannot be used: fla-core refuses to train on Hopper GPUs with Triton {triton.__version__}"
+        )
 
-    backend_module.fla_unavailable_reason.cache_clear()
-
-    reason = backend_module.fla_unavailable_reason()
-
-    if reason is not None and "#640" not in reason:
-        pytest.skip(f"fla is unavailable: {reason}")
-
-    q, k, v = (torch.randn(1, 128, 2, 64, device=CUDA, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-
-    g = torch.randn(1, 128, 2, device=CUDA).sigmoid().log().requires_grad_()
-    beta = torch.rand(1, 128, 2, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
-
-    o, _ = fla_gated_delta_rule.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
-
-    if reason is None:
-        o.sum().backward()
-
-        assert q.grad is not None and torch.isfinite(q.grad).all()
-    else:
-        assert "fla issue #640" in reason, reason
-
-        with pytest.raises(RuntimeError, match="#640"):
-            o.sum().backward()
+        assert "unset it, or install Triton>=3.7.1 or TileLang (`pip install tilelang`)." in message
 
 
 class TestHasCausalConv1d:
