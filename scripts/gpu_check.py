@@ -11,7 +11,7 @@ own process group with a time limit, so one that fails or hangs is recorded
 with its error and the others still run; the whole check keeps within
 ``--budget-s`` (30 minutes), the most telling configurations first. The
 ``fla`` configurations are skipped, with the reason, where fla-core cannot
-train on the GPU (e.g. fla-core 0.6.0 on Hopper GPUs with Triton < 3.7.1).
+train on the GPU (``qwen35_fs2.ops.backend.fla_unavailable_reason``).
 
 Writes one JSON report (``gpu_check_report.json`` at the top of the
 repository, or ``--output``): the device, the versions, the test results and,
