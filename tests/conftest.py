@@ -12,6 +12,7 @@ import pytest
 # A failing registration must fail the tests, not become a warning.
 os.environ.setdefault("FAIRSEQ2_EXTENSION_TRACE", "1")
 
+from fla_interpreter import hopper_with_triton_3_6 as hopper_with_triton_3_6  # noqa: E402
 from fla_interpreter import use_triton_interpreter_without_cuda  # noqa: E402
 from hf_reference.fixtures import hf_tiny_models as hf_tiny_models  # noqa: E402
 from parallel_runs import _alone_modules_run_alone as _alone_modules_run_alone  # noqa: E402

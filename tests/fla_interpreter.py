@@ -24,6 +24,9 @@ fla-core 0.6.0 on triton 3.5.1 needs three shims under the interpreter
 
 The interpreter only runs fp32 correctly here (bf16 gives errors of order
 1e9), so these tests are fp32; bf16 stays with the CUDA runs.
+
+``hopper_with_triton_3_6`` makes fla see the machine where it refused to
+train (fla issue #640), for the tests of ``qwen35_fs2.compat.fla_hopper_dqkwg``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, Final
 
+import pytest
 import torch
 
 _KERNEL_RANGE: Final = "_qwen35_interpreted_kernel_range"
@@ -111,3 +115,27 @@ def _apply_shims() -> None:
         return node
 
     interpreter.ASTTransformer.visit_Call = visit_call
+
+
+@pytest.fixture
+def hopper_with_triton_3_6(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Sets the flags that fla-core's check in ``chunk_bwd_dqkwg`` reads
+    (``fla.ops.common.chunk_o``) to those of an H200 with Triton 3.6.0, the
+    machine where fla refused to train (fla issue #640): what fla sees of
+    the machine, not a mock of our code. The backend check's caches are
+    cleared around it."""
+    from fla.ops.common import chunk_o
+
+    import qwen35_fs2.ops.backend as backend_module
+
+    monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", True)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_4_0", True)
+    monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", False)
+
+    backend_module.fla_unavailable_reason.cache_clear()
+    backend_module._warn_fla_fallback.cache_clear()
+
+    yield
+
+    backend_module.fla_unavailable_reason.cache_clear()
+    backend_module._warn_fla_fallback.cache_clear()

@@ -219,3 +219,25 @@ def test_fla_layer_compiles_without_graph_breaks() -> None:
     # The same kernels: equal to fp32 rounding under the interpreter; on
     # CUDA, the compiled elementwise code rounds bf16 differently.
     _assert_close(expected, _run(compiled, x, layout, cotangent), 1e-2 if ON_CUDA else 1e-5)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="sets fla's flags to those of a Hopper GPU: on a GPU the tests above run on the real one")
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_fla_layer_trains_on_hopper_with_triton_3_6(hopper_with_triton_3_6: None, compiled: bool) -> None:
+    """Where fla-core refuses one kernel of its backward (fla issue #640),
+    the fla layer, with our PyTorch version of that kernel
+    (``qwen35_fs2.compat.fla_hopper_dqkwg``), matches the torch layer on a
+    packed batch, eager and compiled with ``fullgraph=True`` (where fla's
+    kernels are custom operators)."""
+    layer, fla_layer = _make_layers(torch.float32)
+
+    x, layout = _packed_inputs(torch.float32)
+
+    cotangent = torch.randn(x.shape, device=DEVICE) * (layout.position_indices >= 0).unsqueeze(-1)
+
+    if compiled:
+        torch._dynamo.reset()
+
+        fla_layer.compile(fullgraph=True, backend="inductor")
+
+    _assert_close(_run(layer, x, layout, cotangent), _run(fla_layer, x, layout, cotangent), _DTYPES[0][1])
