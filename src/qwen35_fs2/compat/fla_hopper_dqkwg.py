@@ -159,7 +159,7 @@ def chunk_bwd_dqkwg(
     def gather(x: Tensor) -> Tensor:
         """``[B, T, X, D]`` to ``[N, X, BT, D]`` in fp32, zero past the
         end of each sequence (as the kernel's masked loads)."""
-        chunks = x.reshape(num_rows, *x.shape[2:]).float()[rows.clamp(max=num_rows - 1)]
+        chunks = x.reshape(num_rows, *x.shape[2:])[rows.clamp(max=num_rows - 1)].float()
 
         chunks = chunks.masked_fill(~valid.view(*valid.shape, *([1] * (chunks.dim() - 2))), 0.0)
 
