@@ -167,33 +167,42 @@ def chunk_bwd_dqkwg(
 
     group_size = num_v_heads // num_heads
 
-    qc, kc = (gather(x).repeat_interleave(group_size, dim=1) for x in (q, k))
+    def by_group(x: Tensor) -> Tensor:
+        """``[N, HV, ...]`` to ``[N, H, G, ...]``: the value heads of each
+        query/key head, which ``q`` and ``k`` broadcast over."""
+        return x.view(x.size(0), num_heads, group_size, *x.shape[2:])
 
-    vc, doc = gather(v), gather(do)
+    # [N, H, 1, BT, K]
+    qc, kc = (gather(x).unsqueeze(2) for x in (q, k))
 
-    gc = gather(g.unsqueeze(-1)).squeeze(-1)  # [N, HV, BT]
+    # [N, H, G, BT, V]
+    vc, doc = by_group(gather(v)), by_group(gather(do))
 
-    # The states at the chunks' starts: [N, HV, V, K].
-    hs, dhs = (x.reshape(-1, num_v_heads, *x.shape[-2:]).float() for x in (h, dh))
+    gc = by_group(gather(g.unsqueeze(-1)).squeeze(-1))  # [N, H, G, BT]
+
+    # The states at the chunks' starts: [N, H, G, V, K].
+    hs, dhs = (by_group(x.reshape(-1, num_v_heads, *x.shape[-2:]).float()) for x in (h, dh))
 
     if not state_v_first:
         hs, dhs = hs.transpose(-1, -2), dhs.transpose(-1, -2)
 
+    row_valid = valid[:, None, None, :]  # [N, 1, 1, BT]
+
     last = valid.sum(-1) - 1  # [N]
 
-    g_last = gc.gather(-1, last.view(-1, 1, 1).expand(-1, num_v_heads, 1))  # [N, HV, 1]
+    g_last = gc.gather(-1, last.view(-1, 1, 1, 1).expand(-1, num_heads, group_size, 1))  # [N, H, G, 1]
 
     dg_last = (hs * dhs).sum((-2, -1)) * torch.exp2(g_last.squeeze(-1))
 
     dq = (doc @ hs) * torch.exp2(gc).unsqueeze(-1) * scale
 
-    dk = (vc @ dhs) * torch.exp2(g_last - gc).masked_fill(~valid.unsqueeze(1), 0.0).unsqueeze(-1)
+    dk = (vc @ dhs) * torch.exp2(g_last - gc).masked_fill(~row_valid, 0.0).unsqueeze(-1)
 
     dg_last = dg_last + (dk * kc).sum((-2, -1))
 
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
 
-    pairs = causal & valid.unsqueeze(-1).unsqueeze(1) & valid.unsqueeze(-2).unsqueeze(1)  # [N, 1, BT, BT]
+    pairs = causal & row_valid.unsqueeze(-1) & row_valid.unsqueeze(-2)  # [N, 1, 1, BT, BT]
 
     ds = (doc @ vc.transpose(-1, -2)) * torch.exp2(gc.unsqueeze(-1) - gc.unsqueeze(-2))
 
@@ -207,7 +216,7 @@ def chunk_bwd_dqkwg(
 
     is_last = torch.arange(chunk_size, device=q.device) == last.unsqueeze(-1)  # [N, BT]
 
-    dg = dg + is_last.unsqueeze(1) * dg_last.unsqueeze(-1)
+    dg = dg + is_last[:, None, None, :] * dg_last.unsqueeze(-1)
 
     def scatter(x: Tensor, like: Tensor) -> Tensor:
         """``[N, X, BT, D]`` back to ``[B, T, X, D]``; the rows past the
@@ -220,16 +229,12 @@ def chunk_bwd_dqkwg(
 
         return out[:num_rows].view(*like.shape[:2], *out.shape[1:]).to(like.dtype)
 
-    dq_full = scatter(dq, q)
-    dk_full = scatter(dk, k)
+    # The gradients of q and k sum over the value heads of each group.
+    dq_full, dk_full = scatter(dq.sum(2), q), scatter(dk.sum(2), k)
 
-    if group_size > 1:
-        dq_full = dq_full.view(batch_size, seq_len, num_heads, group_size, -1).sum(3)
-        dk_full = dk_full.view(batch_size, seq_len, num_heads, group_size, -1).sum(3)
+    dw = None if w is None or dv is None else scatter(-(by_group(gather(dv)) @ hs).flatten(1, 2), w)
 
-    dw = None if w is None or dv is None else scatter(-(gather(dv) @ hs), w)
-
-    dg_full = scatter(dg.unsqueeze(-1), g.float()).squeeze(-1)
+    dg_full = scatter(dg.flatten(1, 2).unsqueeze(-1), g.float()).squeeze(-1)
 
     return dq_full, dk_full, dw, dg_full
 

@@ -38,7 +38,7 @@ pytestmark = [
 CHUNK_SIZE = 64
 
 # (B, T, H, HV, K, V)
-SHAPE = (2, 130, 2, 4, 64, 64) if ON_CUDA else (2, 130, 1, 2, 16, 16)
+SHAPE = (2, 130, 2, 4, 64, 64) if ON_CUDA else (2, 130, 2, 4, 16, 16)
 
 LENGTHS = [1, 63, 64, 65, 7]
 
