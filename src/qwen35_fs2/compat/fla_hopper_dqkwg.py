@@ -16,8 +16,9 @@ TileLang fix is not usable: the other kernels of the layer, forward and
 backward, stay fla's. The math is that of fla's Triton kernel
 (``chunk_bwd_kernel_dqkwg`` in ``fla/ops/common/chunk_o.py``), one chunk of
 ``chunk_size`` tokens at a time, all chunks at once; the tests compare it
-with that kernel under Triton's interpreter, and the whole layer's gradients
-with and without it. It has not run on a GPU yet.
+with that kernel under Triton's interpreter, fla's gated delta rule with it
+against fla's own, and the fla layer with it against our PyTorch layer. It
+has not run on a GPU yet.
 """
 
 from __future__ import annotations
