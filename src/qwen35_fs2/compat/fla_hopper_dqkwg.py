@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import os
 from functools import cache
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ def fla_refuses_gated_backward() -> bool:
     """Returns ``True`` if fla's own check in ``chunk_bwd_dqkwg`` would
     refuse a gated call here: a Hopper GPU and Triton 3.4.0 to 3.7.0. The
     flags are read where fla's check reads them, so that the two agree."""
-    chunk_o = _chunk_o()
+    chunk_o = importlib.import_module("fla.ops.common.chunk_o")
 
     return bool(chunk_o.IS_NVIDIA_HOPPER and chunk_o.TRITON_ABOVE_3_4_0 and not chunk_o.TRITON_ABOVE_3_7_1)
 
@@ -54,6 +53,13 @@ def fla_tilelang_takes_over() -> bool:
     return bool(tilelang.is_available() and tilelang().is_enabled())
 
 
+def fla_needs_torch_dqkwg() -> bool:
+    """Returns ``True`` where fla refuses its kernel and its TileLang fix is
+    not usable: where :func:`chunk_bwd_dqkwg` runs in its place, once
+    registered."""
+    return fla_refuses_gated_backward() and not fla_tilelang_takes_over()
+
+
 def fla_dispatch_disabled() -> bool:
     """Returns ``True`` if fla's backend dispatch is off
     (``FLA_DISABLE_BACKEND_DISPATCH=1``): then no registered implementation
@@ -64,8 +70,8 @@ def fla_dispatch_disabled() -> bool:
 @cache
 def register_torch_chunk_bwd_dqkwg() -> None:
     """Registers :func:`chunk_bwd_dqkwg` with fla's dispatch of
-    ``chunk_bwd_dqkwg``, for the machines of :func:`fla_refuses_gated_backward`
-    without fla's TileLang fix. Once per process; imports fla."""
+    ``chunk_bwd_dqkwg``, for the machines of :func:`fla_needs_torch_dqkwg`.
+    Once per process; imports fla."""
     backends = importlib.import_module("fla.backends")
 
     class TorchChunkBwdDqkwg(backends.BaseBackend):  # type: ignore[name-defined, misc]
@@ -77,7 +83,7 @@ def register_torch_chunk_bwd_dqkwg() -> None:
 
         @classmethod
         def is_available(cls) -> bool:
-            return fla_refuses_gated_backward() and not fla_tilelang_takes_over()
+            return fla_needs_torch_dqkwg()
 
         def chunk_bwd_dqkwg_verifier(self, *args: Any, **kwargs: Any) -> tuple[bool, str | None]:
             if kwargs.get("g") is None or kwargs.get("g_gamma") is not None:
@@ -263,7 +269,7 @@ def _chunk_rows(
         seq_ends = seq_starts + seq_len
     else:
         if chunk_indices is None:
-            chunk_indices = _fla_utils().prepare_chunk_indices(cu_seqlens, chunk_size)
+            chunk_indices = importlib.import_module("fla.ops.utils").prepare_chunk_indices(cu_seqlens, chunk_size)
 
         seq_idx, chunk_idx = chunk_indices[:, 0].long(), chunk_indices[:, 1].long()
 
@@ -276,11 +282,3 @@ def _chunk_rows(
     rows = chunk_starts.unsqueeze(-1) + offsets
 
     return rows, rows < seq_ends.unsqueeze(-1)
-
-
-def _chunk_o() -> ModuleType:
-    return importlib.import_module("fla.ops.common.chunk_o")
-
-
-def _fla_utils() -> ModuleType:
-    return importlib.import_module("fla.ops.utils")

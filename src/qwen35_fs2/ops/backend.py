@@ -16,8 +16,7 @@ from fairseq2.logging import log
 
 from qwen35_fs2.compat.fla_hopper_dqkwg import (
     fla_dispatch_disabled,
-    fla_refuses_gated_backward,
-    fla_tilelang_takes_over,
+    fla_needs_torch_dqkwg,
     register_torch_chunk_bwd_dqkwg,
 )
 
@@ -40,10 +39,10 @@ def resolve_gdn_backend(requested: GdnBackendRequest, device: torch.device) -> G
 
     ``auto`` means ``fla`` on CUDA when fla-core imports and can train on
     the GPU, and ``torch`` otherwise; falling back to ``torch`` on CUDA logs
-    a warning (once per process and reason). ``fla`` on CPU is accepted only under Triton's
-    interpreter (``TRITON_INTERPRET=1``, Triton's debug mode, which runs the
-    kernels in Python on the host; the tests use it); ``auto`` never picks it
-    there. Never called at import time: it imports fla.
+    a warning (once per process and reason). ``fla`` on CPU is accepted only
+    under Triton's interpreter (``TRITON_INTERPRET=1``, Triton's debug mode,
+    which runs the kernels in Python on the host; the tests use it); ``auto``
+    never picks it there. Never called at import time: it imports fla.
 
     :raises NotSupportedError: ``fla`` is requested but the device cannot run
         it, fla-core cannot be imported, or fla-core refuses to train on the
@@ -141,7 +140,7 @@ def _fla_backward_refusal() -> str | None:
     dispatch turned off can it not, and fla would fail at the first backward
     pass.
     """
-    if not fla_refuses_gated_backward() or fla_tilelang_takes_over():
+    if not fla_needs_torch_dqkwg():
         return None
 
     if not fla_dispatch_disabled():

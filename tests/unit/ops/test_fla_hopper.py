@@ -197,6 +197,8 @@ class TestTakeover:
 
         assert fla_hopper.fla_refuses_gated_backward() and not fla_hopper.fla_tilelang_takes_over()
 
+        assert fla_hopper.fla_needs_torch_dqkwg()
+
         monkeypatch.setattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
 
         assert not fla_hopper.fla_refuses_gated_backward()
@@ -212,6 +214,11 @@ class TestTakeover:
         monkeypatch.setattr(CommonTileLangBackend, "default_enable", True)
 
         assert fla_hopper.fla_tilelang_takes_over()
+
+        # Back on Hopper with Triton 3.6: fla's TileLang fix runs, not ours.
+        monkeypatch.setattr(chunk_o, "IS_NVIDIA_HOPPER", True)
+
+        assert fla_hopper.fla_refuses_gated_backward() and not fla_hopper.fla_needs_torch_dqkwg()
 
         monkeypatch.setenv("FLA_TILELANG", "0")
 
