@@ -53,7 +53,10 @@ def test_lm_head_loss_reports_each_variant_against_the_floor() -> None:
         # bf16, 1024 x 64.
         assert entry["weight_grad_mib"] == pytest.approx(1024 * 64 * 2 / 2**20, abs=0.05)
 
-        assert entry["fraction_of_floor"] == pytest.approx(floor_ms / entry["fwd_bwd_ms"], rel=2e-2)
+        # The report rounds the fraction to 3 decimals, of the times it
+        # reports (a relative bound fails on small fractions: 0.008 against
+        # 0.00835).
+        assert entry["fraction_of_floor"] == round(floor_ms / entry["fwd_bwd_ms"], 3)
 
     # Ours keeps two numbers a token for the backward pass.
     assert report["ours"]["saved_for_backward_mib"] < report["fairseq2"]["saved_for_backward_mib"]
