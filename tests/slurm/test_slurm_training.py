@@ -16,10 +16,12 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from scratch import scratch_dir
 from slurm_cluster import CONFIGS, RUN_CPT, RUN_SFT, Cluster, Job, read_metrics
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -89,9 +91,7 @@ class Runs:
 
 
 @pytest.fixture(scope="module")
-def runs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    base = tmp_path_factory.mktemp("slurm-training")
-
+def runs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     def cpt_env(out: Path) -> dict[str, str]:
         return {
             "QWEN35_CONFIG": str(CPT_CONFIG),
@@ -99,34 +99,35 @@ def runs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ru
             "QWEN35_OVERRIDES": f"regime.num_steps={CPT_STEPS}",
         }
 
-    # The emulated node n2 comes first in the job's node list and does not
-    # resolve: rendezvous on the loopback address instead.
-    reference_out = base / "reference" / "out"
-    reference = slurm_cluster.submit(
-        RUN_CPT,
-        base / "reference",
-        TWO_NODES,
-        env={**cpt_env(reference_out), "QWEN35_MASTER_ADDR": "127.0.0.1"},
-    )
+    with scratch_dir(tmp_path_factory, "slurm-training") as base:
+        # The emulated node n2 comes first in the job's node list and does not
+        # resolve: rendezvous on the loopback address instead.
+        reference_out = base / "reference" / "out"
+        reference = slurm_cluster.submit(
+            RUN_CPT,
+            base / "reference",
+            TWO_NODES,
+            env={**cpt_env(reference_out), "QWEN35_MASTER_ADDR": "127.0.0.1"},
+        )
 
-    interrupted_out = base / "interrupted" / "out"
-    interrupted = slurm_cluster.submit(
-        RUN_CPT, base / "interrupted", one_node(slurm_cluster), env=cpt_env(interrupted_out)
-    )
-    signaller = Signaller(slurm_cluster, interrupted, interrupted_out)
+        interrupted_out = base / "interrupted" / "out"
+        interrupted = slurm_cluster.submit(
+            RUN_CPT, base / "interrupted", one_node(slurm_cluster), env=cpt_env(interrupted_out)
+        )
+        signaller = Signaller(slurm_cluster, interrupted, interrupted_out)
 
-    # The output directory comes from the config's name, and the step count
-    # from the script's arguments.
-    sft_out = base / "sft" / "runs" / "tiny_sft_cpu"
-    sft = slurm_cluster.submit(
-        RUN_SFT,
-        base / "sft",
-        one_node(slurm_cluster),
-        script_args=[f"regime.num_steps={SFT_STEPS}"],
-        env={"QWEN35_CONFIG": str(SFT_CONFIG)},
-    )
+        # The output directory comes from the config's name, and the step count
+        # from the script's arguments.
+        sft_out = base / "sft" / "runs" / "tiny_sft_cpu"
+        sft = slurm_cluster.submit(
+            RUN_SFT,
+            base / "sft",
+            one_node(slurm_cluster),
+            script_args=[f"regime.num_steps={SFT_STEPS}"],
+            env={"QWEN35_CONFIG": str(SFT_CONFIG)},
+        )
 
-    return Runs(reference, reference_out, interrupted, interrupted_out, signaller, sft, sft_out)
+        yield Runs(reference, reference_out, interrupted, interrupted_out, signaller, sft, sft_out)
 
 
 def _losses(output_dir: Path) -> dict[int, float]:

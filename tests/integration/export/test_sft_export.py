@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hf_reference import TinyQwen35Spec, hf_greedy_generate, read_safetensors_di
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
+from scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -67,56 +69,54 @@ def _fairseq2(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def sft_run(hf_tiny_models: TinyModelCache, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def sft_run(hf_tiny_models: TinyModelCache, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """Fine-tunes the base for a few steps on CPU; returns the base and the
     run's output directory."""
     base_dir = hf_tiny_models.get(_BASE)
 
-    tmp_dir = tmp_path_factory.mktemp("sft")
+    with scratch_dir(tmp_path_factory, "sft") as tmp_dir:
+        config = {
+            "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
+            "dataset": {
+                "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
+                "valid": [],
+                "max_seq_len": 128,
+                "max_num_tokens": 256,
+                "packing": True,
+                "prefetch": 1,
+            },
+            "tokenizer": {"name": "qwen35_tokenizer"},
+            "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
+            "optimizer": {"name": "adamw", "config": {"lr": 1e-3, "weight_decay": 0.0}},
+            "regime": {
+                "num_steps": _NUM_STEPS,
+                "checkpoint_every_n_steps": _NUM_STEPS,
+                "publish_metrics_every_n_steps": 1,
+                "export_hugging_face": True,
+            },
+            "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
+        }
 
-    config = {
-        "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
-        "dataset": {
-            "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
-            "valid": [],
-            "max_seq_len": 128,
-            "max_num_tokens": 256,
-            "packing": True,
-            "prefetch": 1,
-        },
-        "tokenizer": {"name": "qwen35_tokenizer"},
-        "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
-        "optimizer": {"name": "adamw", "config": {"lr": 1e-3, "weight_decay": 0.0}},
-        "regime": {
-            "num_steps": _NUM_STEPS,
-            "checkpoint_every_n_steps": _NUM_STEPS,
-            "publish_metrics_every_n_steps": 1,
-            "export_hugging_face": True,
-        },
-        "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
-    }
+        config_file = tmp_dir / "sft.yaml"
 
-    config_file = tmp_dir / "sft.yaml"
+        config_file.write_text(yaml.safe_dump(config))
 
-    config_file.write_text(yaml.safe_dump(config))
+        run_dir = tmp_dir / "run"
 
-    run_dir = tmp_dir / "run"
+        _fairseq2("lm", "instruction_finetune", str(run_dir), "--config", str(config_file))
 
-    _fairseq2("lm", "instruction_finetune", str(run_dir), "--config", str(config_file))
-
-    return base_dir, run_dir
+        yield base_dir, run_dir
 
 
 @pytest.fixture(scope="module")
-def exports(sft_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def exports(sft_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     _, run_dir = sft_run
 
-    out_dir = tmp_path_factory.mktemp("exports")
+    with scratch_dir(tmp_path_factory, "exports") as out_dir:
+        _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "default"))
+        _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "fp32"), "--dtype", "float32")
 
-    _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "default"))
-    _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "fp32"), "--dtype", "float32")
-
-    return {"default": out_dir / "default", "fp32": out_dir / "fp32"}
+        yield {"default": out_dir / "default", "fp32": out_dir / "fp32"}
 
 
 def _checkpoint_dir(run_dir: Path) -> Path:

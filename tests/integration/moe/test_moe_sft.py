@@ -6,12 +6,14 @@ metrics."""
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from integration.recipes.recipe_runner import read_metrics, run_recipe
+from scratch import scratch_dir
 
 CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
 
@@ -39,13 +41,12 @@ _NUM_STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fsdp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A 2-process FSDP2 run, checkpointed at steps 3 and 6."""
-    output_dir = tmp_path_factory.mktemp("fsdp")
+    with scratch_dir(tmp_path_factory, "fsdp") as output_dir:
+        run_recipe("instruction_finetune", output_dir, CONFIG, OVERRIDES, nproc=2)
 
-    run_recipe("instruction_finetune", output_dir, CONFIG, OVERRIDES, nproc=2)
-
-    return output_dir
+        yield output_dir
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from typing import Final
 import pytest
 
 from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
+from scratch import scratch_dir
 
 pytestmark = pytest.mark.slow
 
@@ -50,13 +51,12 @@ MIN_LOSS_DECREASE: Final = 2.0
 
 def _train(tmp_path_factory: pytest.TempPathFactory, mode: str, nproc: int) -> list[float]:
     """Returns the NLL loss of every step of a run in mixed-precision ``mode``."""
-    output_dir = tmp_path_factory.mktemp(f"{mode}_{nproc}")
-
     overrides = [*OVERRIDES, f"trainer.mixed_precision.mode={mode}"]
 
-    run_recipe("instruction_finetune", output_dir, CONFIG, overrides, nproc=nproc)
+    with scratch_dir(tmp_path_factory, f"{mode}_{nproc}") as output_dir:
+        run_recipe("instruction_finetune", output_dir, CONFIG, overrides, nproc=nproc)
 
-    metrics = read_metrics(output_dir)
+        metrics = read_metrics(output_dir)
 
     return [metrics[step]["NLL Loss"] for step in range(1, NUM_STEPS + 1)]
 

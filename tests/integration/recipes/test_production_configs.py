@@ -58,6 +58,7 @@ import pytest
 from hf_reference import qwen35_0p8b_spec
 from hf_reference.runner import HfReferenceBatch
 from offline_hub import add_hub_snapshot, offline_hub_env
+from scratch import scratch_dir
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
 from recipe_runner import read_metrics, run_recipe
 
@@ -125,40 +126,39 @@ def _descendants(root_pid: int) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A Hub cache with what the production configurations download."""
-    work_dir = tmp_path_factory.mktemp("production_files")
+    with scratch_dir(tmp_path_factory, "production_files") as work_dir:
+        cache_dir = work_dir / "hub"
 
-    cache_dir = work_dir / "hub"
+        checkpoint_dir = work_dir / "Qwen3.5-0.8B-Base"
 
-    checkpoint_dir = work_dir / "Qwen3.5-0.8B-Base"
+        batch = HfReferenceBatch()
 
-    batch = HfReferenceBatch()
+        batch.make_tiny_model(checkpoint_dir, QWEN35_0P8B)
 
-    batch.make_tiny_model(checkpoint_dir, QWEN35_0P8B)
+        batch.run()
 
-    batch.run()
+        add_hub_snapshot(cache_dir, "Qwen/Qwen3.5-0.8B-Base", checkpoint_dir)
 
-    add_hub_snapshot(cache_dir, "Qwen/Qwen3.5-0.8B-Base", checkpoint_dir)
+        # GSM8K: more training examples than the 256 the SFT config holds out,
+        # and a test split of two batches of the eval config.
+        gsm8k_dir = work_dir / "gsm8k"
 
-    # GSM8K: more training examples than the 256 the SFT config holds out,
-    # and a test split of two batches of the eval config.
-    gsm8k_dir = work_dir / "gsm8k"
+        write_synthetic_gsm8k(gsm8k_dir, num_train=320, num_test=8, seed=0)
 
-    write_synthetic_gsm8k(gsm8k_dir, num_train=320, num_test=8, seed=0)
+        add_hub_snapshot(cache_dir, "openai/gsm8k", gsm8k_dir, repo_type="dataset")
 
-    add_hub_snapshot(cache_dir, "openai/gsm8k", gsm8k_dir, repo_type="dataset")
+        # FineWeb-Edu sample-10BT: the 14 shards of the config's file patterns,
+        # each of several row groups as the real ones (the readers divide row
+        # groups among the ranks).
+        fineweb_dir = work_dir / "fineweb-edu"
 
-    # FineWeb-Edu sample-10BT: the 14 shards of the config's file patterns,
-    # each of several row groups as the real ones (the readers divide row
-    # groups among the ranks).
-    fineweb_dir = work_dir / "fineweb-edu"
+        write_synthetic_fineweb(fineweb_dir, num_shards=14, docs_per_shard=16, seed=0, rows_per_row_group=4)
 
-    write_synthetic_fineweb(fineweb_dir, num_shards=14, docs_per_shard=16, seed=0, rows_per_row_group=4)
+        add_hub_snapshot(cache_dir, "HuggingFaceFW/fineweb-edu", fineweb_dir, repo_type="dataset")
 
-    add_hub_snapshot(cache_dir, "HuggingFaceFW/fineweb-edu", fineweb_dir, repo_type="dataset")
-
-    return cache_dir
+        yield cache_dir
 
 
 @pytest.fixture(scope="module")
@@ -211,72 +211,68 @@ def _assert_decay_stayed_fp32(output_dir: Path) -> None:
 def test_sft_then_eval_configs_run_as_they_are(
     hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
 ) -> None:
-    sft_dir = tmp_path_factory.mktemp("sft")
+    with scratch_dir(tmp_path_factory, "sft") as sft_dir, scratch_dir(tmp_path_factory, "eval") as eval_dir:
+        overrides = [*STEP_OVERRIDES, "dataset.max_num_tokens=1024", f"dataset.num_held_out_examples={NUM_HELD_OUT}"]
 
-    overrides = [*STEP_OVERRIDES, "dataset.max_num_tokens=1024", f"dataset.num_held_out_examples={NUM_HELD_OUT}"]
+        peaks, wall_time = _run_measured("instruction_finetune", sft_dir, "qwen35_0.8b_gsm8k.yaml", overrides, hub)
 
-    peaks, wall_time = _run_measured("instruction_finetune", sft_dir, "qwen35_0.8b_gsm8k.yaml", overrides, hub)
+        metrics = read_metrics(sft_dir)
 
-    metrics = read_metrics(sft_dir)
+        assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
 
-    assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
+        # The model as released: an untrained head over 248,320 tokens starts
+        # near log(248,320) = 12.4.
+        assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
 
-    # The model as released: an untrained head over 248,320 tokens starts near
-    # log(248,320) = 12.4.
-    assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
+        valid = read_metrics(sft_dir, "valid")
 
-    valid = read_metrics(sft_dir, "valid")
+        # The held-out training examples, validated at the end of training.
+        assert valid[NUM_STEPS]["Number of Examples"] == NUM_HELD_OUT
 
-    # The held-out training examples, validated at the end of training.
-    assert valid[NUM_STEPS]["Number of Examples"] == NUM_HELD_OUT
+        _assert_decay_stayed_fp32(sft_dir)
 
-    _assert_decay_stayed_fp32(sft_dir)
+        checkpoint_dir = sft_dir / "checkpoints" / f"step_{NUM_STEPS}"
 
-    checkpoint_dir = sft_dir / "checkpoints" / f"step_{NUM_STEPS}"
+        assert checkpoint_dir.is_dir()
 
-    assert checkpoint_dir.is_dir()
+        measurements["sft"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
 
-    measurements["sft"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
+        eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=64"]
 
-    eval_dir = tmp_path_factory.mktemp("eval")
+        peaks, wall_time = _run_measured("eval_gsm8k", eval_dir, "qwen35_0.8b_gsm8k_eval.yaml", eval_overrides, hub)
 
-    eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=64"]
+        records = [json.loads(line) for rank in (0, 1) for line in (eval_dir / "gsm8k" / f"rank_{rank}.jsonl").read_text().splitlines()]
 
-    peaks, wall_time = _run_measured("eval_gsm8k", eval_dir, "qwen35_0.8b_gsm8k_eval.yaml", eval_overrides, hub)
+        # Every test question answered once, over the two ranks.
+        assert len(records) == 8
 
-    records = [json.loads(line) for rank in (0, 1) for line in (eval_dir / "gsm8k" / f"rank_{rank}.jsonl").read_text().splitlines()]
-
-    # Every test question answered once, over the two ranks.
-    assert len(records) == 8
-
-    measurements["eval"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time)}
+        measurements["eval"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time)}
 
 
 def test_fineweb_edu_config_runs_as_it_is(
     hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
 ) -> None:
-    output_dir = tmp_path_factory.mktemp("fineweb")
+    with scratch_dir(tmp_path_factory, "fineweb") as output_dir:
+        overrides = [
+            *STEP_OVERRIDES,
+            "dataset.max_seq_len=1024",
+            "dataset.max_num_tokens=1024",
+            # fla's kernels run on CUDA only (see the module docstring).
+            "model.config_overrides.gdn_backend=torch",
+        ]
 
-    overrides = [
-        *STEP_OVERRIDES,
-        "dataset.max_seq_len=1024",
-        "dataset.max_num_tokens=1024",
-        # fla's kernels run on CUDA only (see the module docstring).
-        "model.config_overrides.gdn_backend=torch",
-    ]
+        peaks, wall_time = _run_measured("train", output_dir, "qwen35_0.8b_fineweb_edu.yaml", overrides, hub)
 
-    peaks, wall_time = _run_measured("train", output_dir, "qwen35_0.8b_fineweb_edu.yaml", overrides, hub)
+        metrics = read_metrics(output_dir)
 
-    metrics = read_metrics(output_dir)
+        assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
 
-    assert sorted(metrics) == list(range(1, NUM_STEPS + 1))
+        assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
 
-    assert all(10.0 < m["NLL Loss"] < 14.0 for m in metrics.values()), metrics
+        assert NUM_STEPS in read_metrics(output_dir, "valid")
 
-    assert NUM_STEPS in read_metrics(output_dir, "valid")
+        _assert_decay_stayed_fp32(output_dir)
 
-    _assert_decay_stayed_fp32(output_dir)
+        assert (output_dir / "checkpoints" / f"step_{NUM_STEPS}").is_dir()
 
-    assert (output_dir / "checkpoints" / f"step_{NUM_STEPS}").is_dir()
-
-    measurements["fineweb_edu"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
+        measurements["fineweb_edu"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
