@@ -18,6 +18,10 @@ export FAIRSEQ2_EXTENSION_TRACE := 1
 # serially in one process.
 PYTEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
+# The most the tests hold in TMPDIR (or /tmp) at once, with a margin: `make
+# test` and `make test-fast` stop first with a clear error when less is free
+# (measured peak: docs/performance.md, "Disk").
+TEST_FREE_DISK_GIB ?= 8
 
 .PHONY: setup test test-fast demo gpu-check clean
 
@@ -41,10 +45,12 @@ $(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
 	touch $@
 
 test: setup
+	@bash scripts/check_free_disk.sh $(TEST_FREE_DISK_GIB)
 	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests
 
 # Everything except the tests marked slow.
 test-fast: setup
+	@bash scripts/check_free_disk.sh $(TEST_FREE_DISK_GIB)
 	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests -m "not slow"
 
 demo: setup
