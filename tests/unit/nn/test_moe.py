@@ -389,17 +389,23 @@ class TestRoutedExperts:
             (torch.randn(11, MODEL_DIM), seqs.detach(), gate_inner, gate_inner_proj.detach(), output_proj.detach(), tokens_per_expert, dispatch),
         )
 
-    def test_auto_dispatch_pads_only_moderately_unbalanced_groups(self) -> None:
+    def test_auto_dispatch_loops_on_cpu_and_pads_moderately_unbalanced_groups_on_gpus(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8)
 
+        cpu, gpu = torch.device("cpu"), torch.device("cuda")
+
         # 4 x 5 = 20 padded rows for 14 tokens; then 4 x 9 = 36 for 12.
-        assert experts.resolve_fallback([5, 3, 2, 4]) == "batched"
-        assert experts.resolve_fallback([9, 1, 1, 1]) == "loop"
+        assert experts.resolve_fallback([5, 3, 2, 4], gpu) == "batched"
+        assert experts.resolve_fallback([9, 1, 1, 1], gpu) == "loop"
 
-        # Without a CUDA device, `auto` takes a fallback.
-        output = experts(torch.randn(12, MODEL_DIM), torch.tensor([9, 1, 1, 1]))
+        assert experts.resolve_fallback([5, 3, 2, 4], cpu) == "loop"
 
-        assert output.shape == (12, MODEL_DIM)
+        # Chosen, each runs anywhere.
+        for dispatch in ("batched", "loop"):
+            experts.dispatch = dispatch
+
+            assert experts.resolve_fallback([5, 3, 2, 4], cpu) == dispatch
+            assert experts.resolve_fallback([9, 1, 1, 1], gpu) == dispatch
 
     def test_grouped_mm_dispatch_raises_error_on_cpu(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8, dispatch="grouped_mm")
