@@ -78,10 +78,11 @@ _NUM_COMPARED_GRADS = {"ep2-of-2": 91, "tp2-ep2-of-4": 30}
 # The gradients of a Gated DeltaNet layer's decay (`A_log`, `dt_bias`) sum
 # terms of both signs over every position and head: when the experts' GEMMs
 # group their rows differently (rows of all EP ranks at once), their fp32
-# rounding moves them by up to 2.8e-5 of their largest entry (measured,
-# packed at EP 4; FSDP2 alone: 5e-7). In float64 the same case agrees to
-# 1e-12, so the difference is rounding, not a different gradient.
-_DECAY_TOLERANCE = 5e-5
+# rounding moves them by up to 6.6e-5 of their largest entry (measured,
+# packed at EP 4, with one GEMM per expert, the CPU's `auto`; 2.8e-5 with
+# the experts batched; FSDP2 alone: 7e-8). In float64 the same case agrees
+# to 1e-12, so the difference is rounding, not a different gradient.
+_DECAY_TOLERANCE = 2e-4
 
 _TOLERANCES = {"ep4-of-4-packed-ac-float64": 1e-12}
 

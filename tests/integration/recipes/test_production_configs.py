@@ -58,9 +58,9 @@ import pytest
 from hf_reference import qwen35_0p8b_spec
 from hf_reference.runner import HfReferenceBatch
 from offline_hub import add_hub_snapshot, offline_hub_env
-from scratch import scratch_dir
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
 from recipe_runner import read_metrics, run_recipe
+from scratch import scratch_dir
 
 # Two ranks of about 9 GiB each of the machine's 24 GiB: nothing else runs
 # beside this module under pytest-xdist.

@@ -41,7 +41,8 @@ How :class:`RoutedExperts` runs the experts on their tokens:
 """
 
 _MAX_BATCHED_PADDING: Final = 0.5
-"""The largest fraction of padding rows for which ``auto`` picks ``batched``."""
+"""The largest fraction of padding rows for which ``auto`` picks ``batched``
+(on GPUs without ``grouped_mm``)."""
 
 
 @final
