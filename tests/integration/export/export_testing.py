@@ -4,6 +4,8 @@ fairseq2 training runs made from them, and reading exports."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +109,67 @@ def make_training_run(run_dir: Path, base: Path, *, step_nrs: tuple[int, ...] = 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
 
     return models
+
+
+def run_fairseq2(*args: str) -> None:
+    """Runs the ``fairseq2`` command of this environment; fails the test
+    with its error output if it fails."""
+    command = [str(Path(sys.executable).with_name("fairseq2")), *args, "--no-rich"]
+
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-5000:]}"
+
+
+def run_short_sft(
+    base_dir: Path,
+    work_dir: Path,
+    *,
+    lr: float,
+    num_steps: int,
+    export_hugging_face: bool = False,
+    lora: dict[str, Any] | None = None,
+) -> Path:
+    """Fine-tunes the Hugging Face checkpoint ``base_dir`` (the
+    ``qwen35_demo`` arch) in fp32 on synthetic GSM8K for ``num_steps`` steps
+    with ``fairseq2 lm instruction_finetune``, checkpointing the last; returns
+    the run's output directory, in ``work_dir``.
+
+    :param export_hugging_face: Whether the run also exports its checkpoint
+        in the Hugging Face format (``regime.export_hugging_face``).
+    :param lora: The run's ``lora`` section, if it trains adapters.
+    """
+    regime: dict[str, Any] = {"num_steps": num_steps, "checkpoint_every_n_steps": num_steps, "publish_metrics_every_n_steps": 1}
+
+    if export_hugging_face:
+        regime["export_hugging_face"] = True
+
+    config: dict[str, Any] = {
+        "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
+        "dataset": {
+            "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
+            "valid": [],
+            "max_seq_len": 128,
+            "max_num_tokens": 256,
+            "packing": True,
+            "prefetch": 1,
+        },
+        "tokenizer": {"name": "qwen35_tokenizer"},
+        "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
+        "optimizer": {"name": "adamw", "config": {"lr": lr, "weight_decay": 0.0}},
+        "regime": regime,
+        "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
+    }
+
+    if lora is not None:
+        config["lora"] = lora
+
+    config_file = work_dir / "sft.yaml"
+
+    config_file.write_text(yaml.safe_dump(config))
+
+    run_dir = work_dir / "run"
+
+    run_fairseq2("lm", "instruction_finetune", str(run_dir), "--config", str(config_file))
+
+    return run_dir

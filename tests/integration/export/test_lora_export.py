@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ from safetensors.torch import load_file
 from torch.nn import Module
 
 import qwen35_fs2.cli.export_hf as export_cli
-from export_testing import INPUT_IDS, fairseq2_logits
+from export_testing import INPUT_IDS, fairseq2_logits, run_short_sft
 from fairseq2.checkpoint import StandardCheckpointManager, StandardModelMetadataDumper
 from fairseq2.device import CPU
 from fairseq2.gang import create_fake_gangs
@@ -234,35 +232,7 @@ def test_adapter_of_a_real_lora_sft_run_gives_its_logits_in_peft(hf_tiny_models:
     lora = {"target_modules": list(LORA_TARGET_MODULES), "r": 4, "alpha": 8.0}
 
     # Two fp32 steps, at a learning rate that moves B well away from zero.
-    config = {
-        "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
-        "dataset": {
-            "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
-            "valid": [],
-            "max_seq_len": 128,
-            "max_num_tokens": 256,
-            "packing": True,
-            "prefetch": 1,
-        },
-        "tokenizer": {"name": "qwen35_tokenizer"},
-        "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
-        "optimizer": {"name": "adamw", "config": {"lr": 1e-2, "weight_decay": 0.0}},
-        "regime": {"num_steps": 2, "checkpoint_every_n_steps": 2, "publish_metrics_every_n_steps": 1},
-        "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
-        "lora": lora,
-    }
-
-    config_file = tmp_path / "lora.yaml"
-
-    config_file.write_text(yaml.safe_dump(config))
-
-    run_dir = tmp_path / "run"
-
-    command = [str(Path(sys.executable).with_name("fairseq2")), "lm", "instruction_finetune", str(run_dir), "--config", str(config_file), "--no-rich"]
-
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-
-    assert result.returncode == 0, result.stderr[-5000:]
+    run_dir = run_short_sft(base_dir, tmp_path, lr=1e-2, num_steps=2, lora=lora)
 
     assert main([str(run_dir), str(tmp_path / "adapter"), "--adapter"]) == 0
 

@@ -4,8 +4,6 @@ fine-tuned weights, and transformers generates what fairseq2 generates."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 
-from export_testing import read_config
+from export_testing import read_config, run_fairseq2, run_short_sft
 from hf_reference import TinyQwen35Spec, hf_greedy_generate, read_safetensors_dir
 from hf_reference.fixtures import TinyModelCache
 from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
@@ -59,15 +57,6 @@ _PROMPTS = (
 )
 
 
-def _fairseq2(*args: str) -> None:
-    """Runs the ``fairseq2`` command of this environment."""
-    command = [str(Path(sys.executable).with_name("fairseq2")), *args, "--no-rich"]
-
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800)
-
-    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stderr[-5000:]}"
-
-
 @pytest.fixture(scope="module")
 def sft_run(hf_tiny_models: TinyModelCache, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """Fine-tunes the base for a few steps on CPU; returns the base and the
@@ -75,35 +64,7 @@ def sft_run(hf_tiny_models: TinyModelCache, tmp_path_factory: pytest.TempPathFac
     base_dir = hf_tiny_models.get(_BASE)
 
     with scratch_dir(tmp_path_factory, "sft") as tmp_dir:
-        config = {
-            "model": {"name": None, "path": str(base_dir), "family": "qwen35", "arch": "qwen35_demo"},
-            "dataset": {
-                "train": [{"path": "synthetic://gsm8k", "pattern": "main/train-*.parquet"}],
-                "valid": [],
-                "max_seq_len": 128,
-                "max_num_tokens": 256,
-                "packing": True,
-                "prefetch": 1,
-            },
-            "tokenizer": {"name": "qwen35_tokenizer"},
-            "trainer": {"mixed_precision": {"mode": "off"}, "max_grad_norm": 1.0},
-            "optimizer": {"name": "adamw", "config": {"lr": 1e-3, "weight_decay": 0.0}},
-            "regime": {
-                "num_steps": _NUM_STEPS,
-                "checkpoint_every_n_steps": _NUM_STEPS,
-                "publish_metrics_every_n_steps": 1,
-                "export_hugging_face": True,
-            },
-            "common": {"metric_recorders": {"tensorboard": {"enabled": False}}},
-        }
-
-        config_file = tmp_dir / "sft.yaml"
-
-        config_file.write_text(yaml.safe_dump(config))
-
-        run_dir = tmp_dir / "run"
-
-        _fairseq2("lm", "instruction_finetune", str(run_dir), "--config", str(config_file))
+        run_dir = run_short_sft(base_dir, tmp_dir, lr=1e-3, num_steps=_NUM_STEPS, export_hugging_face=True)
 
         yield base_dir, run_dir
 
@@ -113,8 +74,8 @@ def exports(sft_run: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     _, run_dir = sft_run
 
     with scratch_dir(tmp_path_factory, "exports") as out_dir:
-        _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "default"))
-        _fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "fp32"), "--dtype", "float32")
+        run_fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "default"))
+        run_fairseq2("lm", "export_hf", str(run_dir), str(out_dir / "fp32"), "--dtype", "float32")
 
         yield {"default": out_dir / "default", "fp32": out_dir / "fp32"}
 
