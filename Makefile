@@ -23,6 +23,25 @@ PYTEST := $(BIN)/pytest -n $(PYTEST_WORKERS) --dist loadfile
 # (measured peak: docs/performance.md, "Disk").
 TEST_FREE_DISK_GIB ?= 8
 
+# Errors only: the machines' pip configuration names find-links directories
+# that some of them lack, and pip warns about each one for every package it
+# looks up, hundreds of lines that pushed the tests' output out of the part
+# of a CI log that is kept.
+PIP_INSTALL := $(BIN)/pip install --quiet --quiet
+
+# What pip installs must be byte-compiled: the machines set
+# PYTHONDONTWRITEBYTECODE=1, so a module without its .pyc is compiled again
+# in every process that imports it (`import qwen35_fs2.recipes.sft.recipe`
+# took 72 s instead of 23 s; docs/performance.md, "The test suite's time").
+# pip compiles one file at a time; compileall with a process a core compiled
+# the venv and the overlay in 233 s instead of about 400 (2 cores, slow
+# hours), so pip installs without compiling and this compiles right after.
+COMPILEALL := $(BIN)/python -m compileall -q -j 0
+
+# Our own modules byte-compiled before the tests, for the same reason: every
+# recipe run, torchrun rank and worker the tests start imports them (4 s, once).
+COMPILE_OWN := $(COMPILEALL) src tests scripts benchmarks
+
 .PHONY: setup test test-fast demo gpu-check clean
 
 setup: $(VENV)/.installed $(HF_REFERENCE_DIR)/.installed
@@ -30,8 +49,9 @@ setup: $(VENV)/.installed $(HF_REFERENCE_DIR)/.installed
 $(VENV)/.installed: pyproject.toml
 	@bash scripts/check_system_deps.sh
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(PIP_INSTALL) --upgrade pip
+	$(PIP_INSTALL) --no-compile -e '.[test]'
+	$(COMPILEALL) $(VENV)/lib
 	touch $@
 
 # --no-warn-conflicts: pip would compare the overlay's transformers 5.x with
@@ -40,17 +60,20 @@ $(VENV)/.installed: pyproject.toml
 # torch (with CUDA, gigabytes) into the overlay, shadowing the venv's; their
 # other dependencies are transformers' or the venv's (torch, psutil).
 $(HF_REFERENCE_DIR)/.installed: $(VENV)/.installed
-	$(BIN)/pip install --quiet --no-warn-conflicts --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
-	$(BIN)/pip install --quiet --no-warn-conflicts --no-deps --target $(HF_REFERENCE_DIR) peft==$(PEFT_REFERENCE_VERSION) accelerate==$(ACCELERATE_REFERENCE_VERSION)
+	$(PIP_INSTALL) --no-compile --no-warn-conflicts --target $(HF_REFERENCE_DIR) transformers==$(HF_REFERENCE_VERSION)
+	$(PIP_INSTALL) --no-compile --no-warn-conflicts --no-deps --target $(HF_REFERENCE_DIR) peft==$(PEFT_REFERENCE_VERSION) accelerate==$(ACCELERATE_REFERENCE_VERSION)
+	$(COMPILEALL) $(HF_REFERENCE_DIR)
 	touch $@
 
 test: setup
 	@bash scripts/check_free_disk.sh $(TEST_FREE_DISK_GIB)
+	$(COMPILE_OWN)
 	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests
 
 # Everything except the tests marked slow.
 test-fast: setup
 	@bash scripts/check_free_disk.sh $(TEST_FREE_DISK_GIB)
+	$(COMPILE_OWN)
 	QWEN35_HF_REFERENCE_DIR=$(abspath $(HF_REFERENCE_DIR)) $(PYTEST) tests -m "not slow"
 
 demo: setup

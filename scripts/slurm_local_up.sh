@@ -108,6 +108,10 @@ KillWait=10
 # A requeued job waits cred_expire + 1 s before it may start again (default 120 s).
 AuthInfo=cred_expire=5
 MailProg=/bin/true
+# Keep a finished job's record for an hour (default 300 s): the tests submit
+# their jobs together and read each one's end state in turn, which on a slow
+# machine came more than 300 s after a job ended ("Invalid job id").
+MinJobAge=3600
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool/%n
 SlurmctldPidFile=$D/slurmctld.pid

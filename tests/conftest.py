@@ -15,12 +15,15 @@ os.environ.setdefault("FAIRSEQ2_EXTENSION_TRACE", "1")
 from fla_interpreter import hopper_with_triton_3_6 as hopper_with_triton_3_6  # noqa: E402
 from fla_interpreter import use_triton_interpreter_without_cuda  # noqa: E402
 from hf_reference.fixtures import hf_tiny_models as hf_tiny_models  # noqa: E402
+from hf_reference.fixtures import one_hf_reference_subprocess_a_module as one_hf_reference_subprocess_a_module  # noqa: E402
 from parallel_runs import _alone_modules_run_alone as _alone_modules_run_alone  # noqa: E402
 from parallel_runs import pytest_collection_modifyitems as pytest_collection_modifyitems  # noqa: E402
 from parallel_runs import pytest_configure as pytest_configure  # noqa: E402
 from parallel_runs import pytest_configure_node as pytest_configure_node  # noqa: E402
 from parallel_runs import pytest_unconfigure as pytest_unconfigure  # noqa: E402
 from parallel_runs import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler  # noqa: E402
+from unit_clock import pytest_addoption as pytest_addoption  # noqa: E402
+from unit_clock import pytest_sessionstart as pytest_sessionstart  # noqa: E402
 
 # Without a GPU, fla's kernels run under Triton's interpreter; this must
 # happen before anything imports fla.

@@ -31,6 +31,8 @@ from typing import Any, Final
 import pytest
 import torch
 
+from hf_reference import end_hf_reference_subprocess
+
 _LOCK_DIR: Final = "qwen35_lock_dir"
 """The key of the run's lock directory in a worker's ``workerinput``."""
 
@@ -135,6 +137,11 @@ def _alone_modules_run_alone(request: pytest.FixtureRequest) -> Iterator[None]:
         return
 
     alone = request.node.get_closest_marker("alone") is not None
+
+    # A session fixture set up for this module may have started the worker's
+    # reference subprocess (hf_reference.fixtures); it is not kept idle,
+    # most of a GiB, through the wait, which may be an `alone` module's run.
+    end_hf_reference_subprocess()
 
     with open(Path(lock_dir, "turnstile"), "a") as turnstile, open(Path(lock_dir, "modules"), "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)

@@ -2,8 +2,8 @@
 that module and session fixtures are built once per file, except for the
 directories in :data:`ONE_UNIT_DIRS`, whose files all go to one worker.
 
-Imported by the root ``conftest.py`` only under pytest-xdist, which the test
-extras install.
+Imported by the root ``conftest.py`` under pytest-xdist, which the test
+extras install, and by ``unit_clock.py`` in every run.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def run_benchmark_script(script: str, *options: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *options], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, str(BENCHMARKS / script), *options], capture_output=True, text=True, env=env, timeout=1800
     )
 
 

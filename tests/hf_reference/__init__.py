@@ -20,6 +20,7 @@ from .overlay import hf_reference_available as hf_reference_available
 from .overlay import hf_reference_dir as hf_reference_dir
 from .runner import HfReferenceBatch as HfReferenceBatch
 from .runner import HfReferenceError as HfReferenceError
+from .runner import end_hf_reference_subprocess as end_hf_reference_subprocess
 from .runner import ModelClass as ModelClass
 from .runner import Pending as Pending
 from .runner import TokenIds as TokenIds

@@ -2,18 +2,22 @@
 
 The test process runs transformers 4.57 (fairseq2's pin), which has no Qwen3.5,
 so this script runs in a subprocess whose ``PYTHONPATH`` is the overlay. It must
-not import anything from this repository. It reads one JSON document (the path
-is ``argv[1]``) holding a list of requests, runs them in order, and writes
-``results.json`` (and one safetensors file per logits request) to the
-``work_dir`` the document names. Failures exit non-zero with a traceback on
-stderr, which the caller puts into its exception.
+not import anything from this repository. It serves batches until its stdin
+closes: each line of stdin is the path of a JSON document holding a list of
+requests; it runs them in order, writes ``results.json`` (and one safetensors
+file per logits request) to the ``work_dir`` the document names, and answers
+with the line ``done`` on its stdout, which carries nothing else. A failure
+exits non-zero with a traceback on stderr, which the caller puts into its
+exception.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -419,11 +423,12 @@ def _generate(request: dict[str, Any], models: _ModelCache) -> dict[str, Any]:
     return {"tokens": outputs}
 
 
-def main() -> None:
-    document = json.loads(Path(sys.argv[1]).read_text())
+def _run_batch(document_path: Path) -> None:
+    document = json.loads(document_path.read_text())
 
     work_dir = Path(document["work_dir"])
 
+    # One batch's models only: a later batch may rebuild a directory.
     models = _ModelCache()
 
     results = []
@@ -443,6 +448,21 @@ def main() -> None:
             raise ValueError(f"`kind` must be 'build', 'logits' or 'generate', but is '{kind}' instead.")
 
     (work_dir / "results.json").write_text(json.dumps(results))
+
+
+def main() -> None:
+    # The answers get their own copy of fd 1, and fd 1 becomes stderr, so that
+    # nothing a library prints can be taken for an answer.
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+
+    os.dup2(2, 1)
+
+    for line in sys.stdin.buffer:
+        _run_batch(Path(line.decode().strip()))
+
+        gc.collect()
+
+        answers.write(b"done\n")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,26 @@
-"""Shares tiny reference checkpoints between the tests of one pytest session.
+"""The fixtures of the reference harness: tiny reference checkpoints shared
+between the tests of one pytest session, and the reference subprocess's end
+after each module.
 
-Building a checkpoint costs a subprocess, so each spec is built once per
-session. To use the fixture, import it into a ``conftest.py``::
+Building a checkpoint costs a batch of the reference subprocess, so each
+spec is built once per session. To use the fixtures, import them into a
+``conftest.py``::
 
     from hf_reference.fixtures import hf_tiny_models as hf_tiny_models
+    from hf_reference.fixtures import one_hf_reference_subprocess_a_module as one_hf_reference_subprocess_a_module
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import final
 
 import pytest
 
-from .runner import HfReferenceBatch
+from .runner import HfReferenceBatch, end_hf_reference_subprocess
 from .spec import TinyQwen35Spec
 
 
@@ -59,3 +63,13 @@ def _dir_name(spec: TinyQwen35Spec) -> str:
 def hf_tiny_models(tmp_path_factory: pytest.TempPathFactory) -> TinyModelCache:
     """The session's cache of tiny reference checkpoints."""
     return TinyModelCache(tmp_path_factory.mktemp("hf_tiny_models"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_hf_reference_subprocess_a_module() -> Iterator[None]:
+    """Ends the test process's reference subprocess after each module: the
+    batches of a module share it, and the modules after it, some of which run
+    alone for their memory, do not find most of a GiB held by it."""
+    yield
+
+    end_hf_reference_subprocess()

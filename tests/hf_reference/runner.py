@@ -1,17 +1,23 @@
 """Runs requests against the transformers Qwen3.5 reference in a subprocess.
 
-Each subprocess spends about 3 s importing transformers, so requests are
-collected in an :class:`HfReferenceBatch` and run by one subprocess; the
-one-shot functions below are batches of one request.
+Requests are collected in an :class:`HfReferenceBatch`; the one-shot
+functions below are batches of one request. A test process starts one
+reference subprocess and hands it its batches until the test module ends
+(``fixtures.one_hf_reference_subprocess_a_module``): each start imports
+PyTorch and transformers, about 3 s on a usual day and 20 to 30 s in the
+test machines' slow hours, and the suite runs dozens of batches.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, Generic, Literal, TypeVar, final
@@ -32,7 +38,9 @@ also for VLM checkpoints); ``"conditional_generation"`` loads the whole
 TokenIds = torch.Tensor | Sequence[Sequence[int]]
 """A batch of token ids, ``[N, S]``; prompts for generation may differ in length."""
 
-DEFAULT_TIMEOUT_S: Final = 600.0
+DEFAULT_TIMEOUT_S: Final = 1800.0
+"""Turns a hung reference into a failure, with room for the test machines'
+slow hours (``recipe_runner.TIMEOUT_S``)."""
 
 _WORKER_PATH: Final = Path(__file__).with_name("_worker.py")
 
@@ -75,6 +83,157 @@ def _as_rows(name: str, ids: TokenIds, *, ragged: bool = False) -> list[list[int
         raise ValueError(f"`{name}` must be a rectangular batch of token ids of shape [N, S].")
 
     return rows
+
+
+@final
+class _ReferenceServer:
+    """A reference subprocess serving the batches of one test process.
+
+    Each batch is a line on its stdin (the path of the batch's document),
+    answered by the line ``done`` on its stdout once the results are written.
+    Its stderr goes to a file, of which a failed batch's error holds the part
+    written during that batch. A failed or timed-out batch ends the
+    subprocess; the next batch starts a new one.
+    """
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+
+        self.owner_pid = os.getpid()
+
+        self._stderr = tempfile.TemporaryFile(prefix="qwen35-hf-reference-stderr-")
+
+        # -P: keep this package's directory off the worker's sys.path.
+        self._process = subprocess.Popen(
+            [sys.executable, "-P", str(_WORKER_PATH)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+        )
+
+        atexit.register(self.close)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def is_running(self) -> bool:
+        return self._process.poll() is None
+
+    def run(self, request_path: Path, kinds: str, timeout_s: float) -> None:
+        """Runs the batch of ``request_path``, whose requests are ``kinds``.
+
+        :raises HfReferenceError: if the subprocess fails or does not answer within ``timeout_s``.
+        """
+        assert self._process.stdin is not None and self._process.stdout is not None
+
+        stderr_start = os.fstat(self._stderr.fileno()).st_size
+
+        deadline = time.monotonic() + timeout_s
+
+        answer = b""
+
+        try:
+            self._process.stdin.write(f"{request_path}\n".encode())
+
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            pass  # It has exited; the read below sees the end of its stdout.
+
+        while not answer.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+
+            if remaining <= 0:
+                self._process.kill()
+
+                self._process.wait()
+
+                raise HfReferenceError(
+                    f"The HF reference subprocess ({kinds}) did not finish within {timeout_s} s. "
+                    f"stderr:\n{self._stderr_since(stderr_start)}"
+                )
+
+            ready, _, _ = select.select([self._process.stdout], [], [], remaining)
+
+            if not ready:
+                continue
+
+            chunk = os.read(self._process.stdout.fileno(), 64)
+
+            if not chunk:
+                returncode = self._process.wait()
+
+                raise HfReferenceError(
+                    f"The HF reference subprocess ({kinds}) failed with exit code {returncode}. "
+                    f"stderr:\n{self._stderr_since(stderr_start)}"
+                )
+
+            answer += chunk
+
+        if answer != b"done\n":
+            self._process.kill()
+
+            self._process.wait()
+
+            raise HfReferenceError(f"The HF reference subprocess ({kinds}) must answer 'done', but answered {answer!r} instead.")
+
+    def _stderr_since(self, start: int) -> str:
+        end = os.fstat(self._stderr.fileno()).st_size
+
+        start = max(start, end - 4 * _MAX_STDERR_CHARS)
+
+        return os.pread(self._stderr.fileno(), end - start, start).decode(errors="replace")[-_MAX_STDERR_CHARS:]
+
+    def close(self) -> None:
+        """Ends the subprocess (closing its stdin ends its loop) and drops its stderr file."""
+        if self.owner_pid != os.getpid():
+            return
+
+        if self._process.stdin is not None and not self._process.stdin.closed:
+            try:
+                self._process.stdin.close()
+            except BrokenPipeError:
+                pass
+
+        try:
+            self._process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+
+            self._process.wait()
+
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+        self._stderr.close()
+
+
+_server: _ReferenceServer | None = None
+
+
+def _reference_server(env: dict[str, str]) -> _ReferenceServer:
+    """This process's reference subprocess, started anew if it has exited or
+    the environment a batch would give it has changed since it started."""
+    global _server
+
+    if _server is not None and (_server.owner_pid != os.getpid() or _server.env != env or not _server.is_running()):
+        end_hf_reference_subprocess()
+
+    if _server is None:
+        _server = _ReferenceServer(env)
+
+    return _server
+
+
+def end_hf_reference_subprocess() -> None:
+    """Ends this process's reference subprocess, if it has one; the next batch starts another."""
+    global _server
+
+    if _server is not None:
+        _server.close()
+
+        _server = None
 
 
 @final
@@ -176,7 +335,7 @@ class HfReferenceBatch:
         self._consumers.append(consume)
 
     def run(self, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        """Runs all requests in one subprocess and sets their results.
+        """Runs all requests in this process's reference subprocess and sets their results.
 
         :raises HfReferenceUnavailableError: if the overlay is missing and cannot be installed.
         :raises HfReferenceError: if the subprocess fails or times out.
@@ -186,7 +345,9 @@ class HfReferenceBatch:
 
         overlay_dir = ensure_hf_reference()
 
-        env = dict(os.environ)
+        # pytest names the running test in PYTEST_CURRENT_TEST: the reference
+        # has no use for it, and it would restart the subprocess at each test.
+        env = {name: value for name, value in os.environ.items() if name != "PYTEST_CURRENT_TEST"}
 
         env.update({
             "PYTHONPATH": str(overlay_dir),
@@ -203,24 +364,7 @@ class HfReferenceBatch:
 
             request_path.write_text(json.dumps({"work_dir": str(work_dir), "requests": self._requests}))
 
-            # -P: keep this package's directory off the worker's sys.path.
-            command = [sys.executable, "-P", str(_WORKER_PATH), str(request_path)]
-
-            try:
-                process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-            except subprocess.TimeoutExpired as ex:
-                stderr = ex.stderr.decode(errors="replace") if isinstance(ex.stderr, bytes) else ex.stderr or ""
-
-                raise HfReferenceError(
-                    f"The HF reference subprocess ({kinds}) did not finish within {timeout_s} s. "
-                    f"stderr:\n{stderr[-_MAX_STDERR_CHARS:]}"
-                ) from None
-
-            if process.returncode != 0:
-                raise HfReferenceError(
-                    f"The HF reference subprocess ({kinds}) failed with exit code {process.returncode}. "
-                    f"stderr:\n{process.stderr[-_MAX_STDERR_CHARS:]}"
-                )
+            _reference_server(env).run(request_path, kinds, timeout_s)
 
             results = json.loads((work_dir / "results.json").read_text())
 

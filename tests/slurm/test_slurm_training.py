@@ -32,8 +32,9 @@ SFT_CONFIG = CONFIGS / "tiny_sft_cpu.yaml"
 CPT_STEPS = 6
 SFT_STEPS = 3
 
-# One training job, start to end, on a busy 2-core machine.
-JOB_TIMEOUT_S = 400
+# One training job, start to end, on a busy 2-core machine, in its slow hours
+# (``recipe_runner.TIMEOUT_S``).
+JOB_TIMEOUT_S = 1800
 
 # `--oversubscribe` lifts the scripts' `--exclusive`, so the jobs share nodes.
 CPU_JOB = ["--gpus-per-node=0", "--cpus-per-task=1", "--oversubscribe"]
@@ -176,6 +177,12 @@ def test_pretraining_on_two_nodes(slurm_cluster: Cluster, runs: Runs) -> None:
     assert "no checkpoint yet: starting from step 0" in out
 
     _assert_two_rank_fsdp2_run(runs.reference_out, CPT_STEPS)
+
+    # Each rank reads a packed batch of 129 tokens a step (the config's
+    # `max_num_tokens`; the first token of a document is no target), and the
+    # step's metrics count both.
+    first = next(r for r in read_metrics(runs.reference_out) if int(str(r["Step"])) == 1)
+    assert first["Number of Elements"] == 2 * 128
 
 
 def test_signalled_pretraining_checkpoints_requeues_and_resumes(

@@ -1,11 +1,13 @@
 """The suite's set-up for pytest-xdist (``tests/parallel_runs.py``,
-``tests/xdist_units.py``), run on a suite of its own: a nested pytest on two
-workers whose tests record when, where and with how many threads they ran."""
+``tests/xdist_units.py``) and its clock of work units (``tests/unit_clock.py``),
+run on a suite of its own: a nested pytest on two workers whose tests record
+when, where and with how many threads they ran."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,6 +32,8 @@ from parallel_runs import pytest_configure as pytest_configure
 from parallel_runs import pytest_configure_node as pytest_configure_node
 from parallel_runs import pytest_unconfigure as pytest_unconfigure
 from parallel_runs import pytest_xdist_make_scheduler as pytest_xdist_make_scheduler
+from unit_clock import pytest_addoption as pytest_addoption
+from unit_clock import pytest_sessionstart as pytest_sessionstart
 
 
 @pytest.fixture
@@ -55,10 +59,13 @@ def record(request):
 """
 
 
-def _test_module(num_tests: int, seconds: float, marks: str = "") -> str:
+def _test_module(num_tests: int, seconds: float, marks: str = "", fixture_seconds: float = 0.0) -> str:
+    """A test module whose tests sleep, after a module fixture that sleeps."""
+    fixture = f"\n\n@pytest.fixture(scope='module', autouse=True)\ndef module_fixture():\n    time.sleep({fixture_seconds})\n"
+
     tests = "".join(f"\n\ndef test_{i}(record):\n    record({seconds})\n" for i in range(num_tests))
 
-    return f"import pytest\n{marks}{tests}"
+    return f"import time\n\nimport pytest\n{marks}{fixture}{tests}"
 
 
 def _run_pytest(root: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, object]]]:
@@ -82,7 +89,10 @@ def _run_pytest(root: Path, *args: str) -> tuple[subprocess.CompletedProcess[str
 
 
 def _write_suite(root: Path, modules: dict[str, str]) -> None:
-    root.joinpath("pytest.ini").write_text("[pytest]\naddopts = --strict-markers\nmarkers =\n    slow: a long test\n")
+    # Every unit is long enough for the clock to print it.
+    root.joinpath("pytest.ini").write_text(
+        "[pytest]\naddopts = --strict-markers\nunit_clock_min_seconds = 0\nmarkers =\n    slow: a long test\n"
+    )
 
     root.joinpath("conftest.py").write_text(CONFTEST)
 
@@ -109,7 +119,7 @@ class TestParallelRuns:
                 "tests/test_c.py": _test_module(1, 0.5),
                 "tests/test_d.py": _test_module(1, 0.5),
                 "tests/test_heavy.py": _test_module(3, 1.0, "\npytestmark = pytest.mark.alone\n"),
-                "tests/test_long.py": _test_module(1, 0.5, "\npytestmark = pytest.mark.slow\n"),
+                "tests/test_long.py": _test_module(1, 0.5, "\npytestmark = pytest.mark.slow\n", fixture_seconds=1.0),
             },
         )
 
@@ -153,6 +163,34 @@ class TestParallelRuns:
 
         assert not beside, f"{beside} ran beside tests/test_heavy.py"
 
+        # The clock's line for each unit, on the unit's worker, at least as
+        # long as the unit's sleeps, its module fixture's included.
+        units = _clock_lines(process.stdout)
+
+        sleeps = {"tests/slurm/": (4, 1.2), "tests/test_heavy.py": (3, 3.0), "tests/test_long.py": (1, 1.5)}
+
+        sleeps |= {f"tests/test_{name}.py": (1, 0.5) for name in "abcd"}
+
+        assert sorted(units) == sorted(sleeps), process.stdout
+
+        for name, (num_tests, seconds) in sleeps.items():
+            worker, unit_tests, unit_seconds = units[name]
+
+            assert {worker} == workers_of(name)
+
+            assert unit_tests == num_tests
+
+            assert unit_seconds >= seconds, (name, unit_seconds)
+
+        # The summary: the units again, the longest first.
+        summary = _clock_summary(process.stdout)
+
+        assert sorted(name for name, _ in summary) == sorted(units), process.stdout
+
+        assert [seconds for _, seconds in summary] == sorted((seconds for _, seconds in summary), reverse=True)
+
+        assert all(seconds == units[name][2] for name, seconds in summary)
+
     def test_a_serial_run_keeps_its_threads(self, tmp_path: Path) -> None:
         _write_suite(tmp_path, {"tests/test_a.py": _test_module(1, 0.0)})
 
@@ -161,6 +199,23 @@ class TestParallelRuns:
         assert process.returncode == 0, process.stdout + process.stderr
 
         assert [(r["threads"], r["omp_num_threads"]) for r in records] == [(torch_default_threads(), None)]
+
+        units = _clock_lines(process.stdout)
+
+        assert list(units) == ["tests/test_a.py"], process.stdout
+
+        assert units["tests/test_a.py"][:2] == ("serial", 1)
+
+    def test_a_unit_clock_threshold_that_is_no_number_is_refused(self, tmp_path: Path) -> None:
+        _write_suite(tmp_path, {"tests/test_a.py": _test_module(1, 0.0)})
+
+        process, records = _run_pytest(tmp_path, "-o", "unit_clock_min_seconds=soon", "tests")
+
+        assert process.returncode == pytest.ExitCode.USAGE_ERROR, process.stdout + process.stderr
+
+        assert "`unit_clock_min_seconds` must be a number of seconds, but is 'soon' instead." in process.stderr
+
+        assert not records
 
     def test_alone_on_a_test_function_is_refused(self, tmp_path: Path) -> None:
         source = textwrap.dedent(
@@ -181,6 +236,33 @@ class TestParallelRuns:
         assert process.returncode == pytest.ExitCode.USAGE_ERROR, process.stdout + process.stderr
 
         assert "`alone` must mark a whole module (its `pytestmark`), but marks tests/test_a.py::test_0 only instead." in process.stderr
+
+
+_CLOCK_LINE: Final = re.compile(r"^\[\d\d:\d\d:\d\d\] (\S+) ran (\S+) \((\d+) tests\) in (\d+\.\d) s$", re.MULTILINE)
+
+_SUMMARY_LINE: Final = re.compile(r"^ *(\d+\.\d) s  \S+  (\S+) \(\d+ tests\)$", re.MULTILINE)
+
+
+def _clock_lines(output: str) -> dict[str, tuple[str, int, float]]:
+    """The unit clock's lines: the worker, the number of tests and the
+    seconds of each unit, which must have one line."""
+    units: dict[str, tuple[str, int, float]] = {}
+
+    for worker, name, num_tests, seconds in _CLOCK_LINE.findall(output):
+        assert name not in units, f"two lines for {name}"
+
+        units[name] = (worker, int(num_tests), float(seconds))
+
+    return units
+
+
+def _clock_summary(output: str) -> list[tuple[str, float]]:
+    """The units and their seconds in the clock's summary, in its order."""
+    _, found, summary = output.partition("longest work units (of 0 s or more)")
+
+    assert found, output
+
+    return [(name, float(seconds)) for seconds, name in _SUMMARY_LINE.findall(summary)]
 
 
 def torch_default_threads() -> int:

@@ -332,6 +332,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
             raise ValueError(f"`prefetch` must be greater than or equal to 0, but is {prefetch} instead.")  # fmt: skip
 
         self._row_groups = list(row_groups)
+        self._files = sorted({row_group.file.absolute() for row_group in self._row_groups})
         self._encoder = encoder
         self._gangs = gangs
         self._text_column = text_column
@@ -372,6 +373,13 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._eod = False
         self._source: _BatchSource | None = None
         self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
+
+    @property
+    def files(self) -> list[Path]:
+        """The parquet files the reader reads, as absolute paths (not
+        resolved: a Hugging Face cache links equal files to one blob), in
+        order."""
+        return self._files
 
     @override
     def __iter__(self) -> Self:

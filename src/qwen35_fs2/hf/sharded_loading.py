@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
-from typing import Final, final
+from typing import TYPE_CHECKING, Final, final
 from weakref import WeakKeyDictionary
 
 import torch
@@ -71,8 +71,6 @@ from fairseq2.models import ModelFamily
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import get_shard_dims
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
-from fairseq2.recipe.base import RecipeContext
-from fairseq2.recipe.config import TrainerSection
 from fairseq2.runtime.dependency import DependencyContainer
 
 from qwen35_fs2.hf.row_plan import RowRange, plan_hf_rows, take_rows
@@ -86,6 +84,14 @@ from qwen35_fs2.nn.lora import is_lora_module, reset_lora_adapters
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.parallel.ac import apply_ac_to_qwen35
 from qwen35_fs2.parallel.fsdp import shard_qwen35_with_fsdp2
+
+if TYPE_CHECKING:
+    # `fairseq2.recipe` imports the trainer, wandb and torcheval: 10 s of a
+    # process on the test machines' slow hours, in every process that loads
+    # this extension (this module is the model family's), recipe or not.
+    # Only recipes call what needs it, and import it then.
+    from fairseq2.recipe.base import RecipeContext
+    from fairseq2.recipe.config import TrainerSection
 
 DEFAULT_READ_BUFFER_BYTES: Final = 64 * 1024 * 1024
 """The largest read of a rank when a slice cannot go straight into its
@@ -555,6 +561,8 @@ def finish_sharded_checkpoint_loading(context: RecipeContext, model: Module) -> 
 
     if not isinstance(model, TransformerLM):
         raise TypeError(f"`model` must be a `TransformerLM`, but is a `{type(model).__name__}` instead.")
+
+    from fairseq2.recipe.config import TrainerSection
 
     gangs = context.gangs
 

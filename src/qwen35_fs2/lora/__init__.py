@@ -12,4 +12,5 @@ from qwen35_fs2.lora.config import LoraConfig as LoraConfig
 from qwen35_fs2.lora.merge import merge_lora_state_dict as merge_lora_state_dict
 from qwen35_fs2.lora.peft import PEFT_CONFIG_NAME as PEFT_CONFIG_NAME
 from qwen35_fs2.lora.peft import PEFT_WEIGHTS_NAME as PEFT_WEIGHTS_NAME
+from qwen35_fs2.lora.peft import check_peft_base as check_peft_base
 from qwen35_fs2.lora.peft import save_peft_adapter as save_peft_adapter

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, cast
 
@@ -27,6 +28,33 @@ PEFT_WEIGHTS_NAME: Final = "adapter_model.safetensors"
 # PEFT's keys are the transformers model's module names under the wrapper
 # `PeftModel.base_model.model`, without the adapter's name.
 _PEFT_KEY_PREFIX: Final = "base_model.model."
+
+PEFT_BASE_MODEL_TYPES: Final = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+"""The Hugging Face model types whose transformers models load the adapters
+of :func:`save_peft_adapter` as they are written."""
+
+
+def check_peft_base(hf_config: Mapping[str, object], where: str) -> None:
+    """Raises :class:`ValueError` unless the transformers model of
+    ``hf_config`` (a ``config.json``; ``where`` names it) loads the adapters
+    of :func:`save_peft_adapter` as written.
+
+    Qwen3-Next, whose checkpoints our Qwen3.5-MoE models load, does not:
+    transformers' ``Qwen3NextForCausalLM`` fuses the Gated DeltaNet's input
+    projections (``in_proj_qkvz``, ``in_proj_ba``) that the adapters name
+    apart, and PEFT 0.21 moves the adapters of ``gate_proj``, ``up_proj``
+    and ``down_proj`` from its shared expert to its routed experts. PEFT
+    would load the adapters of the other projections and drop these without
+    an error.
+    """
+    model_type = hf_config.get("model_type")
+
+    if model_type not in PEFT_BASE_MODEL_TYPES:
+        types = ", ".join(f"'{t}'" for t in PEFT_BASE_MODEL_TYPES)
+
+        raise ValueError(
+            f"The base of a PEFT adapter must be a Qwen3.5 model (`model_type` {types}), but {where} has `model_type` {model_type!r} instead: PEFT would not load its adapters as they are written."
+        )
 
 
 def save_peft_adapter(

@@ -217,8 +217,12 @@ class GatedDeltaNet(Module):
         # (N, S, G, K_h), (N, S, G, K_h), (N, S, G, R x V_h)
         q, k, v = qkv.split([self.key_head_dim, self.key_head_dim, value_group_dim], dim=-1)
 
-        # (N, S, G, R x V_h) -> (N, S, H_v, V_h)
-        v = v.reshape(*v.shape[:-2], self.num_local_value_heads, self.value_head_dim)
+        # (N, S, G, R x V_h) -> (N, S, G, R, V_h) -> (N, S, H_v, V_h), a copy
+        # for G > 1 (`v` is a strided slice). Written as one `reshape`, the
+        # same copy is indexed by inductor with divisions it does not
+        # simplify, which it emits as scalar code on CPU (docs/performance.md,
+        # "Ninth session").
+        v = v.unflatten(-1, (-1, self.value_head_dim)).flatten(2, 3)
 
         # (N, S, HV)
         beta = self.in_proj_b(x).sigmoid()

@@ -258,8 +258,6 @@ def _convolve(history: Tensor, taps: Tensor) -> Tensor:
     :param taps: The kernels as ``[W, D]``, a contiguous row per tap: a
         strided column of the ``[D, W]`` weight makes every eager
         multiply-add a non-vectorized loop (five times slower on CPU).
-        Inductor reads through the transpose and still emits a scalar loop
-        (docs/performance.md).
     """
     width = taps.size(0)
 
@@ -273,10 +271,35 @@ def _convolve(history: Tensor, taps: Tensor) -> Tensor:
     return pre
 
 
-def _taps(weight: Tensor, dtype: torch.dtype) -> Tensor:
+@torch.library.custom_op("qwen35_fs2::conv_taps", mutates_args=())
+def conv_taps(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """The ``[D, W]`` weight as :func:`_convolve`'s ``[W, D]`` taps in
-    ``dtype``."""
+    ``dtype``.
+
+    An operator, opaque to inductor: under ``torch.compile`` inductor inlines
+    a plain ``t().contiguous()`` into the loops that read the taps, which then
+    read the weight's columns with a stride of ``W`` and are emitted as scalar
+    code on CPU (the convolution's recomputation in the backward pass, with
+    its SiLU, among them); the operator's output is a buffer of its own, read
+    row by row (docs/performance.md, "Ninth session").
+    """
     return weight.to(dtype).t().contiguous()
+
+
+@conv_taps.register_fake
+def _(weight: Tensor, dtype: torch.dtype) -> Tensor:
+    return weight.new_empty((weight.size(1), weight.size(0)), dtype=dtype)
+
+
+def _conv_taps_setup_context(ctx: Any, inputs: tuple[Tensor, torch.dtype], output: Tensor) -> None:
+    ctx.weight_dtype = inputs[0].dtype
+
+
+def _conv_taps_backward(ctx: Any, dtaps: Tensor) -> tuple[Tensor, None]:
+    return dtaps.t().to(ctx.weight_dtype), None
+
+
+conv_taps.register_autograd(_conv_taps_backward, setup_context=_conv_taps_setup_context)
 
 
 @autocast_free
@@ -296,7 +319,7 @@ def conv_forward(
     """
     history = layout.build(x, initial_state)
 
-    pre = _convolve(history, _taps(weight, x.dtype))
+    pre = _convolve(history, conv_taps(weight, x.dtype))
 
     y = layout.outputs(F.silu(pre, inplace=True) if silu else pre)
 
@@ -324,7 +347,7 @@ def conv_backward(
     :returns: The gradients of the input, the weight and the initial
         states.
     """
-    taps = _taps(weight, history.dtype)
+    taps = conv_taps(weight, history.dtype)
 
     # The gradient of the pre-activation, over all rows of the history (the
     # state rows get none).

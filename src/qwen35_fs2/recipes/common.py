@@ -51,6 +51,7 @@ from qwen35_fs2.hf.sharded_loading import (
 from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count
 from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
+from qwen35_fs2.recipes.idle_batches import is_idle_batch
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
 from qwen35_fs2.lora import LoraConfig
 from qwen35_fs2.parallel.expert_parallel import (
@@ -629,4 +630,11 @@ class LMLossEvalUnit(EvalUnit[SequenceBatch]):
 
     @override
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
+        if is_idle_batch(batch):
+            # The forward pass takes part in the other ranks' exchanges; its
+            # metrics go to a bag of their own, which nobody reads.
+            metric_bag = MetricBag(batch.seqs.device)
+
+            self.prepare_metric_bag(metric_bag)
+
         self._loss_computer(batch, metric_bag)

@@ -217,7 +217,7 @@ def _read_parquet(file: Path, require_response: bool) -> list[InstructionExample
         example_id = str(ids[idx]) if ids is not None else f"{file.name}:{idx}"
 
         examples.append(
-            _make_example(location, example_id, prompt, response, prompt_field, response_field)
+            _make_example(location, example_id, prompt, response, prompt_field, response_field, require_response)
         )
 
     return examples
@@ -253,6 +253,7 @@ def _read_jsonl(file: Path, require_response: bool) -> list[InstructionExample]:
                     row.get(response_field, ""),
                     prompt_field,
                     response_field,
+                    require_response,
                 )
             )
 
@@ -288,10 +289,16 @@ def _make_example(
     response: object,
     prompt_field: str,
     response_field: str,
+    require_response: bool,
 ) -> InstructionExample:
     for name, value in ((prompt_field, prompt), (response_field, response)):
         if not isinstance(value, str):
             raise InstructionDataError(f"`{name}` of {location} must be a string, but is {value!r}.")  # fmt: skip
+
+    # An empty response would train the model to end its turn at once: the
+    # template trims it, and `<|im_end|>` alone is the target.
+    if require_response and not response.strip():  # type: ignore[union-attr]
+        raise InstructionDataError(f"`{response_field}` of {location} must not be empty, but is {response!r}.")  # fmt: skip
 
     return {"id": example_id, "prompt": prompt, "response": response}  # type: ignore[dict-item]
 

@@ -73,16 +73,19 @@ def bases(hf_tiny_models: TinyModelCache) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def lora_run(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Module]:
-    """A LoRA run's output directory as the recipe leaves it (a checkpoint
-    of the float32 adapters on every target, saved by fairseq2's checkpoint
-    manager through the facade the recipe sets, the record of the base, and
-    ``config.yaml`` with ``model.path`` and the ``lora`` section), its
-    adapters random (B too, which training moves from zero); returns it and
-    the model."""
-    base_dir = bases["base"]
-
+    """A LoRA run of the base; returns its output directory and model."""
     run_dir = tmp_path_factory.mktemp("lora_run")
 
+    return run_dir, _write_lora_run(bases["base"], run_dir, "qwen35")
+
+
+def _write_lora_run(base_dir: Path, run_dir: Path, family: str) -> Module:
+    """Writes the output directory of a LoRA run of ``base_dir`` as the recipe
+    leaves it (a checkpoint of the float32 adapters on every target, saved by
+    fairseq2's checkpoint manager through the facade the recipe sets, the
+    record of the base, and ``config.yaml`` with ``model.path`` and the
+    ``lora`` section), its adapters random (B too, which training moves from
+    zero); returns the model."""
     resolver = get_dependency_resolver()
 
     config = qwen35_config_from_hf(load_hf_config(base_dir))
@@ -100,17 +103,17 @@ def lora_run(bases: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
     manager.save_model_only(3, LoraCheckpointFacade(get_data_parallel_facade(model)), blocking=True)
 
-    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
+    wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", family, config)
 
     save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir))
 
     lora = resolver.resolve(ValueConverter).unstructure(_LORA)  # type: ignore[type-abstract]
 
-    run_config = {"model": {"name": None, "path": str(base_dir), "family": "qwen35", "dtype": "float32"}, "lora": lora}
+    run_config = {"model": {"name": None, "path": str(base_dir), "family": family, "dtype": "float32"}, "lora": lora}
 
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
 
-    return run_dir, model
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +208,45 @@ def test_fails_for_a_base_of_another_architecture_and_leaves_nothing(bases: dict
     assert "hidden_size (base: 96, model: 64)" in errors[0]
 
     assert list(tmp_path.iterdir()) == []
+
+
+def test_adapter_of_a_run_on_a_qwen3_next_base_is_refused_and_leaves_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # transformers' Qwen3-Next has other Gated DeltaNet projections, and PEFT
+    # puts the shared expert's adapters on its routed experts: PEFT would
+    # load part of the adapter and drop the rest without an error.
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    base_dir, run_dir = tmp_path / "qwen3_next", tmp_path / "run"
+
+    next_config = Qwen3NextConfig(  # type: ignore[no-untyped-call]
+        vocab_size=256, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True,
+    )  # fmt: skip
+
+    Qwen3NextForCausalLM(next_config).save_pretrained(base_dir)  # type: ignore[no-untyped-call]
+
+    run_dir.mkdir()
+
+    _write_lora_run(base_dir, run_dir, "qwen35_moe")
+
+    # For the run's base (the default), and without a base: the run's base
+    # is still Qwen3-Next.
+    for options in ([], ["--no-base"]):
+        caplog.clear()
+
+        out_dir = tmp_path / "out"
+
+        assert main([str(run_dir), str(out_dir), "--adapter", *options]) == 1
+
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+        assert len(errors) == 1
+        assert f"but {base_dir.resolve()} has `model_type` 'qwen3_next' instead" in errors[0]
+        assert "Export the model with the adapters merged (`--merge`) instead." in errors[0]
+
+        assert not out_dir.exists()
 
 
 # The `qwen35_demo` arch (the real vocabulary, 128 wide, tied), text-only

@@ -2,17 +2,20 @@
 with or without expert parallelism, against the unsharded model in the same
 process.
 
-Run by ``test_expert_parallel.py`` under ``torchrun`` (gloo). Every rank
-builds the same model (the reference), shards a copy with fairseq2's FSDP2
-wrapper and our applier (after :func:`apply_expert_parallelism` if ``--ep``
-is given), and runs its share of the batch through it; the reference runs
-every rank's share and sums their losses over the number of ranks, the loss
-whose gradient FSDP2's averaged gradients are. Each rank writes to
-``--output-dir``: ``rank_<r>.json`` (the largest differences from the
-reference: absolute for the logits and the load-balancing loss, relative to
-the reference's value for the loss and to its largest entry for each
-gradient; the rows and bytes of its experts) and ``rank_<r>.pt`` (its local
-state dict, as fairseq2 checkpoints it).
+Run by ``test_expert_parallel.py`` under ``torchrun`` (gloo), with each
+``--case`` the arguments of one configuration: the cases run one after
+another in the same processes, which start (and import PyTorch and
+fairseq2) once. Every rank builds the same model (the reference), shards a
+copy with fairseq2's FSDP2 wrapper and our applier (after
+:func:`apply_expert_parallelism` if ``--ep`` is given), and runs its share
+of the batch through it; the reference runs every rank's share and sums
+their losses over the number of ranks, the loss whose gradient FSDP2's
+averaged gradients are. Each rank writes to the case's ``--output-dir``:
+``rank_<r>.json`` (the largest differences from the reference: absolute for
+the logits and the load-balancing loss, relative to the reference's value
+for the loss and to its largest entry for each gradient; the rows and bytes
+of its experts) and ``rank_<r>.pt`` (its local state dict, as fairseq2
+checkpoints it).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shlex
+import sys
 from pathlib import Path
 
 import torch
@@ -245,8 +250,8 @@ def _create_models(args: argparse.Namespace, gangs: Gangs) -> tuple[TransformerL
     return reference, model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def _case_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="--case")
 
     parser.add_argument("--ep", type=int, default=0, help="the expert parallel size; 0 for none")
     parser.add_argument("--tp", type=int, default=1, help="the tensor parallel size")
@@ -258,15 +263,34 @@ def main() -> None:
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--hf-dir", type=Path, help="also load the reference, saved here in Hugging Face format, into the shards")
 
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+
+    parser.add_argument("--case", action="append", required=True, help="the arguments of one configuration, in one string")
+
+    case_parser = _case_parser()
+
+    cases = [(case, case_parser.parse_args(shlex.split(case))) for case in parser.parse_args().case]
 
     torch.set_num_threads(1)
 
-    if args.float64:
-        torch.set_default_dtype(torch.float64)
-
     root_gang = ProcessGroupGang.create_default_process_group(CPU)
 
+    for case, args in cases:
+        # Names the case that a traceback after it comes from.
+        print(f"rank {root_gang.rank}: case {case}", file=sys.stderr, flush=True)
+
+        torch.set_default_dtype(torch.float64 if args.float64 else torch.float32)
+
+        _run_case(args, root_gang)
+
+    torch.distributed.destroy_process_group()
+
+
+def _run_case(args: argparse.Namespace, root_gang: ProcessGroupGang) -> None:
     gangs = create_fsdp_gangs(create_parallel_gangs(root_gang, tp_size=args.tp))
 
     rank, world_size = gangs.dp.rank, gangs.dp.size
@@ -396,8 +420,6 @@ def main() -> None:
     torch.save(outputs, args.output_dir / f"rank_{root_rank}_outputs.pt")
 
     torch.save(fsdp2_local_state_dict(sharded), args.output_dir / f"rank_{root_rank}.pt")
-
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

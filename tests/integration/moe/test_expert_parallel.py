@@ -5,12 +5,14 @@ under activation checkpointing, with an MTP head and under tensor
 parallelism; in bf16 mixed precision EP matches FSDP2 alone. Each rank
 stores and gathers only its experts, reads only those from a Hugging Face
 checkpoint, and its checkpoint is the same file at every EP size
-(``_ep_worker.py`` runs each configuration)."""
+(``_ep_worker.py`` runs the configurations, those of a number of
+processes in one launch)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -29,28 +31,27 @@ NUM_EXPERTS = 8
 TOLERANCE = 1e-5
 
 
-def _run(output_dir: Path, num_processes: int, ep: int, *extra_args: str) -> list[dict[str, object]]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={num_processes}",
-        str(_SCRIPT),
-        "--ep",
-        str(ep),
-        "--output-dir",
-        str(output_dir),
-        *(arg.format(output_dir=output_dir) for arg in extra_args),
-    ]
+def _run(num_processes: int, cases: dict[str, tuple[Path, int, tuple[str, ...]]]) -> dict[str, list[dict[str, object]]]:
+    """Runs ``cases`` (name: output directory, EP size, extra arguments) one
+    after another in one launch of ``num_processes`` processes; returns each
+    case's results by rank."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={num_processes}", str(_SCRIPT)]
+
+    for output_dir, ep, extra_args in cases.values():
+        case_args = ["--ep", str(ep), "--output-dir", str(output_dir), *(arg.format(output_dir=output_dir) for arg in extra_args)]
+
+        command += ["--case", shlex.join(case_args)]
 
     env = dict(os.environ, FAIRSEQ2_DEVICE="cpu", FAIRSEQ2_EXTENSION_TRACE="1", OMP_NUM_THREADS="1")
 
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
 
     assert process.returncode == 0, process.stderr[-5000:]
 
-    return [json.loads((output_dir / f"rank_{rank}.json").read_text()) for rank in range(num_processes)]
+    return {
+        name: [json.loads((output_dir / f"rank_{rank}.json").read_text()) for rank in range(num_processes)]
+        for name, (output_dir, _, _) in cases.items()
+    }
 
 
 _CASES = {
@@ -92,16 +93,24 @@ Runs = Callable[[str], tuple[Path, list[dict[str, object]]]]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Runs a case of ``_CASES`` once, when a test first asks for it."""
+    """Runs a case of ``_CASES`` when a test first asks for it, with every
+    other case of its number of processes that has not run yet: one launch
+    for each number of processes (each launch starts its processes, which
+    import PyTorch and fairseq2, once)."""
     results: dict[str, tuple[Path, list[dict[str, object]]]] = {}
 
     def run(name: str) -> tuple[Path, list[dict[str, object]]]:
         if name not in results:
-            num_processes, ep, extra_args = _CASES[name]
+            num_processes = _CASES[name][0]
 
-            output_dir = tmp_path_factory.mktemp(name)
+            cases = {
+                other: (tmp_path_factory.mktemp(other), ep, extra_args)
+                for other, (other_processes, ep, extra_args) in _CASES.items()
+                if other_processes == num_processes and other not in results
+            }
 
-            results[name] = (output_dir, _run(output_dir, num_processes, ep, *extra_args))
+            for other, case_results in _run(num_processes, cases).items():
+                results[other] = (cases[other][0], case_results)
 
         return results[name]
 

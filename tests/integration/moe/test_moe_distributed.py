@@ -28,7 +28,7 @@ def _run(output_dir: Path, wrap: str, *extra_args: str) -> dict[str, object]:
 
     env = dict(os.environ, FAIRSEQ2_DEVICE="cpu", FAIRSEQ2_EXTENSION_TRACE="1", OMP_NUM_THREADS="1")
 
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
 
     assert process.returncode == 0, process.stderr[-5000:]
 

@@ -1,7 +1,8 @@
 """``lm instruction_finetune`` of a tiny Qwen3.5-MoE model on CPU: two
 ``torchrun`` processes (gloo, FSDP2) train like one process accumulating the
 same two examples per step, with the load-balancing loss and the expert-load
-metrics."""
+metrics, and validate like it; so do two processes with expert parallelism,
+also while one of them validates alone."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
 
 # A 2-layer (Gated DeltaNet + attention) MoE over the real vocabulary, 8
 # experts top-2; one example per padded batch, so that a step of two ranks
-# and a step of two accumulated batches see the same examples.
+# and a step of two accumulated batches see the same examples. Validation
+# after steps 3 and 6 on 3 held-out examples: on two ranks, 2 batches on one
+# and 1 on the other, so that one rank validates alone for a step (under
+# expert parallelism, the other must still take part in its exchanges).
 OVERRIDES = (
     "model.family=qwen35_moe",
     "model.arch=qwen35_moe_tiny",
@@ -29,15 +33,18 @@ OVERRIDES = (
     "dataset.packing=false",
     "dataset.batch_size=1",
     "dataset.valid=[]",
+    "dataset.num_held_out_examples=3",
     "lr_scheduler.config={num_warmup_steps: 0, cycle_len: 100, final_lr_scale: 1.0}",
     "loss.aux_loss_weight=0.01",
     "regime.num_steps=6",
     "regime.checkpoint_every_n_steps=3",
     "regime.keep_last_n_checkpoints=2",
-    "regime.validate_every_n_steps=null",
+    "regime.validate_every_n_steps=3",
 )
 
 _NUM_STEPS = 6
+
+_VALID_STEPS = (3, 6)
 
 
 @pytest.fixture(scope="module")
@@ -83,11 +90,26 @@ def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path,
 
     assert fsdp_dir.joinpath("checkpoints", f"step_{_NUM_STEPS}", "model").is_dir()
 
+    _assert_validations_equal(fsdp_dir, single_dir, _VALID_STEPS, rel=1e-4)
+
 
 def _assert_steps_equal(run: dict[int, dict[str, float]], expected: dict[int, dict[str, float]], steps: range) -> None:
     for step in steps:
         for name in ("NLL Loss", "Auxiliary Loss", "Gradient Norm", "Number of Examples"):
             assert run[step][name] == pytest.approx(expected[step][name], rel=1e-5), f"step {step}: {name}"
+
+
+def _assert_validations_equal(run_dir: Path, expected_dir: Path, steps: tuple[int, ...], *, rel: float) -> None:
+    """Asserts that the run of ``run_dir`` validated all 3 held-out examples
+    after ``steps`` with the losses of the run of ``expected_dir``."""
+    run, expected = read_metrics(run_dir, "valid"), read_metrics(expected_dir, "valid")
+
+    assert sorted(run) == list(steps)
+
+    for step in steps:
+        assert run[step]["Number of Examples"] == expected[step]["Number of Examples"] == 3, step
+
+        assert run[step]["NLL Loss"] == pytest.approx(expected[step]["NLL Loss"], rel=rel), step
 
 
 @pytest.mark.slow
@@ -107,6 +129,8 @@ def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_
 
     _assert_steps_equal(ep, fsdp, range(1, _NUM_STEPS + 1))
 
+    _assert_validations_equal(ep_dir, fsdp_dir, _VALID_STEPS, rel=1e-5)
+
     # The FSDP2 run's step-3 checkpoint (model, optimizer, data reader),
     # resumed at EP size 2.
     resumed_dir = tmp_path / "resumed"
@@ -120,6 +144,8 @@ def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_
     assert sorted(resumed) == [4, 5, 6]
 
     _assert_steps_equal(resumed, fsdp, range(4, _NUM_STEPS + 1))
+
+    _assert_validations_equal(resumed_dir, fsdp_dir, (6,), rel=1e-5)
 
     # Its checkpoint holds each rank's shards as the FSDP2 run's does.
     for rank in range(2):
@@ -139,8 +165,8 @@ def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_
 @pytest.mark.parametrize(
     ("ep_size", "message"),
     [
+        # A size the config refuses (0) is tests/unit/recipes/test_configs.py's.
         (2, "`gang.expert_parallel_size` (2) cannot be used: The expert parallel size must be a positive divisor of the data parallel size (1), but is 2 instead."),
-        (0, "`expert_parallel_size` must be greater than or equal to 1, but is 0 instead."),
     ],
 )
 def test_bad_expert_parallel_size_is_a_clear_error(ep_size: int, message: str, tmp_path: Path) -> None:

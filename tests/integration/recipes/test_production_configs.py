@@ -19,10 +19,12 @@ What differs is where the files come from and how long the runs are:
   their schemas and file names (``qwen35_fs2.datasets.synthetic``);
 - the step counts and the tokens per batch (a CPU step of the real batch
   would take hours): one step, with its metrics, a checkpoint and a
-  validation after it (fairseq2 validates at the end of training), 1,024
-  tokens a rank; the evaluation generates at most 64 tokens an answer instead
-  of 512 (the random model never stops early);
-- the SFT run holds out 32 training examples for its validation instead of
+  validation after it (fairseq2 validates at the end of training), of 256
+  tokens a rank (sequences of up to 256 tokens: the synthetic GSM8K
+  examples have up to about 160, and none may be skipped); the evaluation
+  generates at most 16 tokens an answer instead of 512 (the random model
+  never stops early);
+- the SFT run holds out 8 training examples for its validation instead of
   256: the logits of 256 examples over 248,320 tokens cost this machine more
   than two minutes, the same code for every example;
 - the depth: the checkpoint has the real configuration and tensor shapes
@@ -55,7 +57,7 @@ from typing import Final
 
 import pytest
 
-from hf_reference import qwen35_0p8b_spec
+from hf_reference import end_hf_reference_subprocess, qwen35_0p8b_spec
 from hf_reference.runner import HfReferenceBatch
 from offline_hub import add_hub_snapshot, offline_hub_env
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb, write_synthetic_gsm8k
@@ -73,7 +75,13 @@ QWEN35_0P8B: Final = qwen35_0p8b_spec(num_hidden_layers=4, layout="vlm", dtype="
 NUM_STEPS: Final = 1
 
 # Of the 256 the SFT config holds out (see the module docstring).
-NUM_HELD_OUT: Final = 32
+NUM_HELD_OUT: Final = 8
+
+# A rank's tokens in a step, and the longest sequence (see the module
+# docstring). At this depth the 248,320-row embedding's gradient, gathers and
+# update are most of a step, so a step of 256 tokens cost about what one of
+# 1,024 did (docs/performance.md); the validation and the activations shrink.
+NUM_TOKENS: Final = 256
 
 STEP_OVERRIDES: Final = (
     f"regime.num_steps={NUM_STEPS}",
@@ -138,6 +146,10 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         batch.make_tiny_model(checkpoint_dir, QWEN35_0P8B)
 
         batch.run()
+
+        # The module's only batch: its subprocess would otherwise keep most
+        # of a GiB through the ranks' runs.
+        end_hf_reference_subprocess()
 
         add_hub_snapshot(cache_dir, "Qwen/Qwen3.5-0.8B-Base", checkpoint_dir)
 
@@ -212,7 +224,12 @@ def test_sft_then_eval_configs_run_as_they_are(
     hub: Path, tmp_path_factory: pytest.TempPathFactory, measurements: dict[str, object]
 ) -> None:
     with scratch_dir(tmp_path_factory, "sft") as sft_dir, scratch_dir(tmp_path_factory, "eval") as eval_dir:
-        overrides = [*STEP_OVERRIDES, "dataset.max_num_tokens=1024", f"dataset.num_held_out_examples={NUM_HELD_OUT}"]
+        overrides = [
+            *STEP_OVERRIDES,
+            f"dataset.max_seq_len={NUM_TOKENS}",
+            f"dataset.max_num_tokens={NUM_TOKENS}",
+            f"dataset.num_held_out_examples={NUM_HELD_OUT}",
+        ]
 
         peaks, wall_time = _run_measured("instruction_finetune", sft_dir, "qwen35_0.8b_gsm8k.yaml", overrides, hub)
 
@@ -231,13 +248,17 @@ def test_sft_then_eval_configs_run_as_they_are(
 
         _assert_decay_stayed_fp32(sft_dir)
 
+        # Every example fits the shorter sequences.
+        for log_file in (sft_dir / "logs").glob("rank_*.log"):
+            assert "exceed `max_seq_len`" not in log_file.read_text()
+
         checkpoint_dir = sft_dir / "checkpoints" / f"step_{NUM_STEPS}"
 
         assert checkpoint_dir.is_dir()
 
         measurements["sft"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
 
-        eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=64"]
+        eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=16"]
 
         peaks, wall_time = _run_measured("eval_gsm8k", eval_dir, "qwen35_0.8b_gsm8k_eval.yaml", eval_overrides, hub)
 
@@ -255,8 +276,8 @@ def test_fineweb_edu_config_runs_as_it_is(
     with scratch_dir(tmp_path_factory, "fineweb") as output_dir:
         overrides = [
             *STEP_OVERRIDES,
-            "dataset.max_seq_len=1024",
-            "dataset.max_num_tokens=1024",
+            f"dataset.max_seq_len={NUM_TOKENS}",
+            f"dataset.max_num_tokens={NUM_TOKENS}",
             # fla's kernels run on CUDA only (see the module docstring).
             "model.config_overrides.gdn_backend=torch",
         ]

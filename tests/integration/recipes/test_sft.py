@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,18 +41,20 @@ class TestInstructionFinetuneCPU:
 
         assert losses[-1] < losses[0] - 0.5, losses
 
-        # Stop after step 3, then run again in the same directory.
+        # The run's checkpoint of step 3 (model, optimizer, data reader), as
+        # a run stopped then would find it, resumed in another directory to
+        # step 6.
         resumed_dir = tmp_path / "resumed"
 
-        run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, "regime.num_steps=3"])
-
-        assert sorted(read_metrics(resumed_dir)) == [1, 2, 3]
+        shutil.copytree(full_dir / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
 
         process = run_recipe("instruction_finetune", resumed_dir, CONFIG, OVERRIDES)
 
         assert "Resuming from step 3." in process.stdout
 
         resumed = read_metrics(resumed_dir)
+
+        assert sorted(resumed) == [4, 5, 6]
 
         for step in range(4, 7):
             assert resumed[step]["NLL Loss"] == pytest.approx(full[step]["NLL Loss"], abs=1e-6), step

@@ -26,7 +26,7 @@ def test_fsdp2_shards_every_layer_and_matches_the_unsharded_model(tmp_path: Path
 
     env = dict(os.environ, FAIRSEQ2_DEVICE="cpu", FAIRSEQ2_EXTENSION_TRACE="1", OMP_NUM_THREADS="1")
 
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
 
     assert process.returncode == 0, process.stderr[-8000:]
 

@@ -97,7 +97,7 @@ def test_sft_loads_a_hf_checkpoint_into_the_shards_of_each_rank(parallelism: lis
         str(output_dir), "--no-rich", "--config", str(_REPO_DIR / "recipes" / "qwen35_tiny_gsm8k_cpu.yaml"), "--set", *overrides,
     ]  # fmt: skip
 
-    process = subprocess.run(command, cwd=_REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+    process = subprocess.run(command, cwd=_REPO_DIR, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=2400)
 
     assert process.returncode == 0, process.stdout[-8000:]
 

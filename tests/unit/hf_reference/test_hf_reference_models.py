@@ -1,6 +1,7 @@
 """Checks that the harness drives the real transformers reference as documented.
 
-Every test here runs the reference in a subprocess (a few seconds each).
+Every test here runs its own batch of the reference; a module's batches
+share one reference subprocess.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 
 from hf_reference import (
@@ -22,6 +23,7 @@ from hf_reference import (
     hf_greedy_generate,
     hf_logits,
 )
+from hf_reference import runner
 from hf_reference.fixtures import TinyModelCache
 
 pytestmark = pytest.mark.slow
@@ -257,6 +259,56 @@ class TestHfLogits:
     def test_failure_raises_error_with_the_worker_stderr(self, tmp_path: Path) -> None:
         with pytest.raises(HfReferenceError, match=r"(?s)exit code 1.*Traceback.*missing_model"):
             hf_logits(tmp_path / "missing_model", INPUT_IDS)
+
+
+class TestReferenceSubprocess:
+    """The batches of a test process share one reference subprocess
+    (``runner._server``, private to the harness)."""
+
+    def test_batches_share_the_subprocess_but_not_its_models(self, tmp_path: Path) -> None:
+        model_dir = tmp_path / "model"
+
+        first = HfReferenceBatch()
+
+        first.make_tiny_model(model_dir, TinyQwen35Spec(layout="text", seed=1))
+
+        before = first.logits(model_dir, INPUT_IDS)
+
+        first.run()
+
+        assert runner._server is not None
+
+        pid = runner._server.pid
+
+        # Other weights written here, behind the subprocess's back, then read
+        # by another batch: a model kept from the first would give its logits again.
+        tensors = load_tensors(model_dir)
+
+        tensors["lm_head.weight"] = -tensors["lm_head.weight"]
+
+        save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+        after = hf_logits(model_dir, INPUT_IDS)
+
+        assert runner._server.pid == pid
+
+        assert (after - before.result()).abs().max() > 0.1
+
+    def test_a_failed_batch_ends_its_subprocess_and_the_next_batch_starts_one(
+        self, model_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path
+    ) -> None:
+        expected = hf_logits(model_dirs[DENSE_TEXT], INPUT_IDS)
+
+        assert runner._server is not None
+
+        pid = runner._server.pid
+
+        with pytest.raises(HfReferenceError, match="missing_model"):
+            hf_logits(tmp_path / "missing_model", INPUT_IDS)
+
+        assert_close(hf_logits(model_dirs[DENSE_TEXT], INPUT_IDS), expected, rtol=0, atol=0)
+
+        assert runner._server.pid != pid
 
 
 PROMPTS = [[5, 9, 17], [1, 2, 3, 4, 5, 6]]

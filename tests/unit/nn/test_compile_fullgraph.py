@@ -5,13 +5,15 @@ DeltaNet layer, gated attention, the MoE block, a pair of decoder layers
 its losses. The ``torch`` kernels here; the ``fla`` ones in
 ``test_gated_deltanet_fla.py``.
 
-Inductor where it compiles a layer's forward and backward passes in under
-half a minute on the 2-core development machine (attention 28 s, the MoE
-block 26 s, in a fresh process); ``aot_eager`` (dynamo and AOTAutograd:
-everything inductor traces, without its C++ code generation; 6 s and 7 s)
-for the Gated DeltaNet layer and the decoder layers, whose inductor
-compilation took 43 s and 69 s there (two to four times that while other
-sessions shared the machine).
+The backend is ``aot_eager``: dynamo and AOTAutograd, everything inductor
+traces (a graph break or an op that AOTAutograd cannot trace fails here),
+without inductor's C++ code generation, which took 26 to 69 s for each
+layer's forward and backward passes on the 2-core development machine
+(against 6 to 7 s) and up to ten times that on its slow hours. The number
+of graphs a packed Gated DeltaNet layer compiles is dynamo's (its guards
+decide what recompiles), so that test runs ``aot_eager`` too; inductor
+compiles the whole model, and stops recompiling, in
+``tests/integration/recipes/test_compile.py``.
 
 Each compiled module is a copy of the eager one, run on the same batch and
 the same cotangent; its output and every gradient must match eager's to
@@ -132,7 +134,7 @@ def _run(step: _Step, module: Module, layout: BatchLayout) -> dict[str, Tensor]:
     return results
 
 
-def _assert_compiles_like_eager(module: Module, step: _Step, layout: BatchLayout, backend: str) -> None:
+def _assert_compiles_like_eager(module: Module, step: _Step, layout: BatchLayout) -> None:
     torch._dynamo.reset()
 
     compiled_module = copy.deepcopy(module)
@@ -140,7 +142,7 @@ def _assert_compiles_like_eager(module: Module, step: _Step, layout: BatchLayout
     expected = _run(step, module, layout)
 
     # Raises at the first graph break.
-    compiled_step = torch.compile(step, backend=backend, fullgraph=True)
+    compiled_step = torch.compile(step, backend="aot_eager", fullgraph=True)
 
     actual = _run(compiled_step, compiled_module, layout)
 
@@ -169,7 +171,7 @@ def test_gated_deltanet_layer_compiles_like_eager(kind: str) -> None:
 
         return y
 
-    _assert_compiles_like_eager(layer, step, layout, "aot_eager")
+    _assert_compiles_like_eager(layer, step, layout)
 
 
 def test_gated_attention_layer_compiles_like_eager() -> None:
@@ -184,7 +186,7 @@ def test_gated_attention_layer_compiles_like_eager() -> None:
 
         return y
 
-    _assert_compiles_like_eager(attention, step, layout, "inductor")
+    _assert_compiles_like_eager(attention, step, layout)
 
 
 @pytest.mark.parametrize("kind", ["regular", "padded"])
@@ -198,7 +200,7 @@ def test_moe_block_compiles_like_eager(kind: str) -> None:
 
         return y
 
-    _assert_compiles_like_eager(block, step, layout, "inductor")
+    _assert_compiles_like_eager(block, step, layout)
 
 
 def test_decoder_layers_compile_like_eager() -> None:
@@ -216,7 +218,7 @@ def test_decoder_layers_compile_like_eager() -> None:
 
         return x
 
-    _assert_compiles_like_eager(pair, step, layout, "aot_eager")
+    _assert_compiles_like_eager(pair, step, layout)
 
 
 def test_whole_model_with_its_loss_compiles_like_eager() -> None:
@@ -264,8 +266,8 @@ def test_packed_gated_deltanet_layer_compiles_a_bounded_number_of_graphs() -> No
     # the second (more tokens) compiles it again with the number of tokens
     # dynamic, the third (more documents) with the number of documents
     # dynamic too; from then on no packing compiles anything. In fp64, where
-    # inductor's reordering of the sums leaves only rounding (fp32 leaves up
-    # to 2e-3 of the decay gradients, which cancel over all tokens).
+    # a reordering of the sums leaves only rounding (fp32 left up to 2e-3 of
+    # the decay gradients under inductor, which cancel over all tokens).
     layer = _make_model().decoder.layers[0].linear_attn
 
     assert layer is not None
@@ -279,7 +281,7 @@ def test_packed_gated_deltanet_layer_compiles_a_bounded_number_of_graphs() -> No
 
         return y
 
-    compiled_step = torch.compile(step, fullgraph=True)
+    compiled_step = torch.compile(step, backend="aot_eager", fullgraph=True)
 
     packings = [[54, 6, 34, 66, 63], [39, 62, 46, 75, 38], [18, 37, 18, 13, 80, 33], [78, 19, 40, 13], [1, 88], [64, 64, 1, 7]]
 

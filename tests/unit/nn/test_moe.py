@@ -407,6 +407,36 @@ class TestRoutedExperts:
             assert experts.resolve_fallback([5, 3, 2, 4], cpu) == dispatch
             assert experts.resolve_fallback([9, 1, 1, 1], gpu) == dispatch
 
+    @pytest.mark.parametrize("dispatch", ["auto", "batched", "loop"])
+    def test_experts_without_any_token_run_and_get_zero_gradients(self, dispatch: ExpertDispatch) -> None:
+        # An expert-parallel rank can receive no token; groups padded to a
+        # capacity of 0 cannot be batched.
+        experts = RoutedExperts(5, MODEL_DIM, 8, dispatch=dispatch, init_fn=_normal)
+
+        assert experts.resolve_fallback([0, 0, 0, 0, 0], torch.device("cuda")) == "loop"
+
+        seqs = torch.randn(0, MODEL_DIM, requires_grad=True)
+
+        tokens_per_expert = torch.zeros(5, dtype=torch.int64)
+
+        eager = experts(seqs, tokens_per_expert)
+
+        compiled, _ = torch.ops.qwen35_fs2.swiglu_experts(seqs, experts.gate_inner_proj, experts.output_proj, tokens_per_expert, dispatch)
+
+        for output in (eager, compiled):
+            assert output.shape == (0, MODEL_DIM)
+
+            output.sum().backward()
+
+        assert seqs.grad is not None and seqs.grad.shape == (0, MODEL_DIM)
+
+        grads = _grads(experts)
+
+        assert sorted(grads) == ["gate_inner_proj", "output_proj"]
+
+        for name, grad in grads.items():
+            assert torch.count_nonzero(grad) == 0, name
+
     def test_grouped_mm_dispatch_raises_error_on_cpu(self) -> None:
         experts = RoutedExperts(4, MODEL_DIM, 8, dispatch="grouped_mm")
 

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from qwen35_fs2.ops import causal_conv1d
+from qwen35_fs2.ops.causal_conv import conv_taps
 
 from .helpers import assert_close, cu_seqlens_of, random_lengths
 
@@ -212,3 +216,93 @@ class TestCausalConv1d:
     def test_raises_error_when_activation_is_unknown(self) -> None:
         with pytest.raises(ValueError, match="`activation` must be 'silu' or `None`, but is 'relu' instead"):
             causal_conv1d(torch.randn(1, 10, 8), torch.randn(8, 4), activation="relu")  # type: ignore[arg-type]
+
+
+class TestCompiledConvolution:
+    """The ``[W, D]`` taps are the operator ``qwen35_fs2::conv_taps``, so
+    that inductor reads them row by row."""
+
+    @pytest.mark.parametrize("dtypes", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)])
+    def test_taps_operator_passes_opcheck(self, dtypes: tuple[torch.dtype, torch.dtype]) -> None:
+        weight_dtype, dtype = dtypes
+
+        weight = torch.randn(6, 4, dtype=weight_dtype, requires_grad=True)
+
+        # Raises on a wrong schema, fake implementation or autograd
+        # registration, and on a failure under AOTAutograd.
+        torch.library.opcheck(torch.ops.qwen35_fs2.conv_taps.default, (weight, dtype))
+
+    def test_taps_operator_transposes_the_weight_and_its_gradient(self) -> None:
+        weight = torch.randn(6, 4, requires_grad=True)
+
+        taps = conv_taps(weight, torch.bfloat16)
+
+        assert taps.dtype == torch.bfloat16
+
+        assert torch.equal(taps, weight.detach().to(torch.bfloat16).t())
+
+        dtaps = torch.randn(4, 6, dtype=torch.bfloat16)
+
+        taps.backward(dtaps)
+
+        assert weight.grad is not None and weight.grad.dtype == torch.float32
+
+        assert torch.equal(weight.grad, dtaps.t().float())
+
+    @pytest.mark.slow
+    def test_compiled_loops_over_the_channels_are_vectorized(self) -> None:
+        # Pins the inductor behaviour the operator works around: with the
+        # taps as `weight.t().contiguous()`, inductor reads the weight's
+        # columns with a stride of W and loops over the channels one at a
+        # time in the forward pass and in the backward pass's recomputation
+        # (measured with torch 2.9.1; docs/performance.md, "Ninth session").
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        from torch._inductor.utils import run_and_get_code
+
+        if not pick_vec_isa():
+            pytest.skip("inductor finds no SIMD instruction set on this CPU: every loop is scalar")
+
+        num_channels = 64
+
+        generator = torch.Generator().manual_seed(0)
+
+        x = torch.randn(2, 40, num_channels, generator=generator)
+
+        weight = torch.randn(num_channels, 4, generator=generator)
+
+        def forward(x: Tensor, weight: Tensor) -> Tensor:
+            return causal_conv1d(x, weight, activation="silu")[0]
+
+        def grads(fn: Callable[[Tensor, Tensor], Tensor]) -> list[Tensor]:
+            leaves = [t.clone().requires_grad_() for t in (x, weight)]
+
+            y = fn(*leaves)
+
+            y.backward(torch.ones_like(y))
+
+            dx, dweight = (leaf.grad for leaf in leaves)
+
+            assert dx is not None and dweight is not None
+
+            return [y.detach(), dx, dweight]
+
+        torch._dynamo.reset()
+
+        compiled = torch.compile(forward, fullgraph=True)
+
+        # Every graph compiled here, not read from a cache of an earlier run.
+        with torch._inductor.config.patch(force_disable_caches=True):
+            actual, codes = run_and_get_code(grads, compiled)
+
+        for name, expected, value in zip(("y", "dx", "dweight"), grads(forward), actual):
+            assert_close(name, expected, value, 1e-6)
+
+        source = "\n".join(codes)
+
+        assert "qwen35_fs2.conv_taps" in source
+
+        scalar_channel_loop = re.compile(
+            rf"for\(int64_t (x\d+)=static_cast<int64_t>\(0L\); \1<static_cast<int64_t>\({num_channels}L\); \1\+=static_cast<int64_t>\(1L\)\)"
+        )
+
+        assert scalar_channel_loop.search(source) is None, "a loop over the channels is not vectorized"

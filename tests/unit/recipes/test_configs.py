@@ -48,8 +48,9 @@ class TestBadConfigs:
             ("loss.chunk_size=0", r"`chunk_size` must be greater than or equal to 1, but is 0 instead\."),
             ("lora={r: 0}", r"`r` must be greater than 0, but is 0 instead\."),
             ("lora={target_modules: [qkv_proj]}", r"`target_modules` must hold Hugging Face projection names \(.*\), but holds `qkv_proj` instead\."),
+            ("gang.expert_parallel_size=0", r"`expert_parallel_size` must be greater than or equal to 1, but is 0 instead\."),
         ],
-        ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss", "lora_rank", "lora_target"],
+        ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss", "lora_rank", "lora_target", "expert_parallel_size"],
     )
     def test_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
         output_dir = tmp_path / "out"

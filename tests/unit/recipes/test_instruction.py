@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from unittest.mock import Mock
 
@@ -126,6 +127,21 @@ class TestReadInstructionExamples:
 
         with pytest.raises(InstructionDataError, match=rf"`answer` of {file}, row 1 must be a string, but is None\."):
             _read(InstructionSource(path=str(file)))
+
+    @pytest.mark.parametrize("response", ["", " \n "])
+    def test_raises_error_naming_an_empty_response(self, tmp_path: Path, response: str) -> None:
+        parquet = _write_gsm8k_parquet(tmp_path / "bad.parquet", ["q1", "q2"], ["a1", response])
+
+        with pytest.raises(InstructionDataError, match=re.escape(f"`answer` of {parquet}, row 1 must not be empty, but is {response!r}.")):
+            _read(InstructionSource(path=str(parquet)))
+
+        jsonl = _write_jsonl(tmp_path / "bad.jsonl", [{"src": "s1", "tgt": response}])
+
+        with pytest.raises(InstructionDataError, match=re.escape(f"`tgt` of {jsonl}, line 1 must not be empty, but is {response!r}.")):
+            _read(InstructionSource(path=str(jsonl)))
+
+        # Prompts to generate from need none.
+        assert [e["response"] for e in _read(InstructionSource(path=str(jsonl)), require_response=False)] == [response]
 
     def test_raises_error_for_invalid_json(self, tmp_path: Path) -> None:
         file = tmp_path / "bad.jsonl"

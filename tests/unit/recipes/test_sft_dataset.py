@@ -143,6 +143,41 @@ class TestCreateSFTReader:
 
         assert not set(ids[0]) & set(ids[1])
 
+    @pytest.mark.parametrize("shuffle_window", [0, 8])
+    def test_ranks_shares_stay_apart_in_an_epoch_after_one_they_read_unevenly(
+        self, tokenizer: Qwen35Tokenizer, monkeypatch: pytest.MonkeyPatch, shuffle_window: int
+    ) -> None:
+        monkeypatch.setattr("fairseq2.datasets.data_reader._min_num_batches", lambda num_batches, gang: num_batches)
+
+        examples = _examples(40)
+
+        batching = SFTBatching(max_seq_len=512, max_num_tokens=1024, batch_size=1)
+
+        readers = [
+            create_sft_reader(
+                examples, ChatEncoder(tokenizer), _gangs(rank, 2), batching, pad_idx=tokenizer.vocab_info.pad_idx,  # type: ignore[arg-type]
+                split_name="train", shuffle_window=shuffle_window, seed=7, prefetch=0,
+            )  # fmt: skip
+            for rank in range(2)
+        ]
+
+        # The first epoch: rank 0 reads its 20 examples, rank 1 stops 5
+        # short, as a rank does when another runs out first or when it has
+        # read ahead less.
+        assert len(list(readers[0])) == 20
+
+        for _ in range(15):
+            next(readers[1])
+
+        for reader in readers:
+            reader.reset()
+
+        shares = [_ids([batch for batches in reader for batch in batches]) for reader in readers]
+
+        assert not set(shares[0]) & set(shares[1])
+
+        assert sorted(shares[0] + shares[1], key=int) == [e["id"] for e in examples]
+
     def test_raises_error_when_the_split_has_fewer_examples_than_ranks(self, tokenizer: Qwen35Tokenizer) -> None:
         batching = SFTBatching(max_seq_len=512, max_num_tokens=1024, batch_size=1)
 

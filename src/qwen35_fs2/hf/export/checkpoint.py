@@ -12,6 +12,7 @@ into the recorded base (``merge=True``)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
@@ -36,11 +37,11 @@ from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
 from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
 from qwen35_fs2.hf.export.plan import check_architecture, plan_hf_export
-from qwen35_fs2.hf.export.repository import HfRepository
+from qwen35_fs2.hf.export.repository import HfExportError, HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
-from qwen35_fs2.lora import LoraConfig, apply_lora, merge_lora_state_dict, save_peft_adapter
+from qwen35_fs2.lora import LoraConfig, apply_lora, check_peft_base, merge_lora_state_dict, save_peft_adapter
 from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
 from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
@@ -213,7 +214,22 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
     """Writes the adapters of the LoRA checkpoint ``source`` as a PEFT
     adapter directory for ``base``, which must have the checkpoint's
     architecture."""
-    assert source.lora is not None
+    assert source.lora is not None and source.lora_base is not None
+
+    # The base the adapter is for, and the base the run adapted (as long as
+    # it is where the run found it).
+    bases: dict[Path, Mapping[str, object]] = {} if base is None else {base.path.resolve(): base.config}
+
+    run_base = source.lora_base.path
+
+    if run_base not in bases and run_base.joinpath("config.json").is_file():
+        bases[run_base] = load_hf_config(run_base)
+
+    for path, hf_config in bases.items():
+        try:
+            check_peft_base(hf_config, str(path))
+        except ValueError as ex:
+            raise HfExportError(f"{ex} Export the model with the adapters merged (`--merge`) instead.") from None
 
     if base is None:
         log.info("Exporting the LoRA adapters of {} without a base model: the adapter names none.", source.description)  # fmt: skip

@@ -273,8 +273,10 @@ class Qwen35TokenizerConfig:
 
     pad_token: str = "<|endoftext|>"
     """
-    The pad token. If it equals ``eos_token``, the vocabulary has no pad index
-    (fairseq2's convention), so the model's ``pad_idx`` must be ``None`` too.
+    The pad token; its index is the vocabulary's ``pad_idx``, even where it
+    equals ``eos_token``, as in pretraining on documents. There the pad index
+    is the end of every document, a target the loss must count, so the
+    model's ``pad_idx`` must be ``None`` (the pretraining recipe checks).
     """
 
     enable_thinking: bool = False

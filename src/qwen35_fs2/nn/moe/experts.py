@@ -254,7 +254,10 @@ class RoutedExperts(Module, Sharded):
 
 
 def _resolve_fallback(dispatch: str, group_sizes: list[int], device: Device) -> Literal["batched", "loop"]:
-    if dispatch == "loop" or (dispatch == "auto" and device.type == "cpu"):
+    # No token at all (a rank whose experts were routed none, as happens
+    # under expert and tensor parallelism): groups padded to a capacity of 0
+    # cannot be batched, and the loop runs no GEMM and gives zero gradients.
+    if dispatch == "loop" or (dispatch == "auto" and device.type == "cpu") or sum(group_sizes) == 0:
         return "loop"
 
     if dispatch == "batched":

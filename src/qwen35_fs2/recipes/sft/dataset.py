@@ -74,10 +74,21 @@ def create_sft_reader(
 ) -> DataPipelineReader[SequenceBatch]:
     """Returns a reader of this rank's share of ``examples``.
 
-    Examples are shuffled (the same way on every rank), then dealt to the
-    data-parallel ranks in turn. The reader's state (position, shuffle and
-    bucket buffers) is checkpointed by the trainer, so a resumed run reads
-    exactly the batches an uninterrupted one would have.
+    With ``shuffle_window`` 0, examples are shuffled (the same way on every
+    rank), then dealt to the data-parallel ranks in turn, so that each epoch
+    deals the ranks other shares. With a window, they are dealt in turn in
+    their order, and each rank shuffles its share within the window, a share
+    that stays the rank's for every epoch. A windowed shuffle before the
+    dealing would draw its random numbers as a rank reads, and ranks read
+    different numbers of examples in an epoch (the ranks stop with the first
+    one to run out, after reading ahead by a number of batches that depends
+    on timing): from the second epoch on, the ranks would shuffle
+    differently and deal themselves overlapping shares, training on some
+    examples twice and never on others.
+
+    The reader's state (position, shuffle and bucket buffers) is
+    checkpointed by the trainer, so a resumed run reads exactly the batches
+    an uninterrupted one would have.
 
     :param shuffle_window: The size of the shuffle buffer, 0 to shuffle all
         examples, ``None`` to keep the file order.
@@ -91,10 +102,13 @@ def create_sft_reader(
 
     builder = read_sequence(list(examples))
 
-    if shuffle_window is not None:
-        builder.shuffle(shuffle_window, seed=seed)
+    if shuffle_window == 0:
+        builder.shuffle(0, seed=seed)
 
     builder.shard(gangs.dp.rank, dp_size, allow_uneven=True)
+
+    if shuffle_window is not None and shuffle_window > 0:
+        builder.shuffle(shuffle_window, seed=seed)
 
     builder.map(encoder)
 

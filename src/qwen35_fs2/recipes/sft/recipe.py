@@ -20,6 +20,7 @@ from qwen35_fs2.recipes.common import (
     check_sft_vocabulary,
     get_sft_pad_idx,
 )
+from qwen35_fs2.recipes.idle_batches import IdleBatchReader
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionExample,
@@ -89,18 +90,22 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
         if valid_examples is None:
             valid_reader = None
         else:
-            # Every rank evaluates all of its examples.
-            valid_reader = create_sft_reader(
-                valid_examples,
-                encoder,
-                context.gangs,
-                batching,
-                pad_idx=pad_idx,
-                split_name="valid",
-                shuffle_window=None,
-                seed=config.common.seed,
-                prefetch=section.prefetch,
-                sync_mode=SyncMode.UNTIL_LAST,
+            # Every rank evaluates all of its examples, and runs idle batches
+            # while other ranks evaluate theirs.
+            valid_reader = IdleBatchReader(
+                create_sft_reader(
+                    valid_examples,
+                    encoder,
+                    context.gangs,
+                    batching,
+                    pad_idx=pad_idx,
+                    split_name="valid",
+                    shuffle_window=None,
+                    seed=config.common.seed,
+                    prefetch=section.prefetch,
+                    sync_mode=SyncMode.UNTIL_LAST,
+                ),
+                pad_idx,
             )
 
         check_sft_vocabulary(context.get_model_as(TransformerLM), tokenizer)

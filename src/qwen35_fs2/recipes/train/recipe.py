@@ -10,6 +10,7 @@ from typing_extensions import override
 
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
+from fairseq2.recipe.error import RecipeError
 from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
@@ -52,6 +53,8 @@ class PretrainRecipe(LMTrainingRecipe):
                 max_num_batches=section.max_num_valid_batches,
             )
 
+            _check_valid_files_apart(train_reader, valid_reader)
+
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
         return self.create_lm_trainer(context, train_reader, valid_reader)
@@ -93,6 +96,22 @@ class PretrainRecipe(LMTrainingRecipe):
     @override
     def config_kls(self) -> type[object]:
         return PretrainConfig
+
+
+def _check_valid_files_apart(train_reader: PretrainingReader, valid_reader: PretrainingReader) -> None:
+    """Raises :class:`RecipeError` if the validation reads training files: its
+    loss would not be a held-out loss. A ``valid`` source of the same Hugging
+    Face dataset as ``train`` takes the same default ``hf_allow_patterns``."""
+    shared = sorted(set(train_reader.files) & set(valid_reader.files))
+
+    if shared:
+        shown = ", ".join(str(file) for file in shared[:3])
+
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+
+        raise RecipeError(
+            f"`dataset.valid` must read other files than `dataset.train`, but reads {len(shared)} of its files ({shown}{more}) instead. Give `valid` other paths, or other `hf_allow_patterns`."
+        )
 
 
 def _resolve_synthetic(path: str) -> str:

@@ -407,7 +407,9 @@ class TestPlanHfExport:
         config.vocab_size = 248_320
         config.pad_idx = 248_044
 
-        tokenizer_dir = get_qwen35_tokenizer_dir(tmp_path / "cache")
+        # The cache the other tests share: building the vocabulary again in
+        # an empty one is tests/unit/models/qwen35/test_tokenizer.py's.
+        tokenizer_dir = get_qwen35_tokenizer_dir()
 
         out_dir = tmp_path / "out"
 
