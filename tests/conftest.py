@@ -12,6 +12,15 @@ import pytest
 # A failing registration must fail the tests, not become a warning.
 os.environ.setdefault("FAIRSEQ2_EXTENSION_TRACE", "1")
 
+# PyTorch's CPU allocations of 2 MiB and more on transparent huge pages (the
+# test machines' kernels have THP in `madvise` mode, which needs this
+# variable): a page fault costs up to 12 µs there in the machines' slow hours,
+# and a training run faults each fresh buffer in 4 KiB at a time, millions of
+# faults a run. Set before anything allocates; every process of the suite
+# (recipe runs, `torchrun` ranks, workers) inherits it. docs/performance.md,
+# "Page faults and huge pages"; tests/unit/test_huge_pages.py pins it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
 from fla_interpreter import hopper_with_triton_3_6 as hopper_with_triton_3_6  # noqa: E402
 from fla_interpreter import use_triton_interpreter_without_cuda  # noqa: E402
 from hf_reference.fixtures import hf_tiny_models as hf_tiny_models  # noqa: E402
