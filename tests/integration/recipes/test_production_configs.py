@@ -36,6 +36,16 @@ What differs is where the files come from and how long the runs are:
   24-layer model holds half of the fp32 weights, gradients and AdamW state
   (16 bytes a parameter) and gathers whole layers and the 248,320-row
   embedding for the forward and backward passes;
+- the precision, on a CPU without bf16 matrix products: PyTorch multiplies
+  bf16 matrices with oneDNN only where its CPU capability is AVX512
+  (``torch.backends.cpu.get_cpu_capability()``), elsewhere in scalar code
+  10 to 70 times slower than fp32 (measured on an AMD EPYC of family 25,
+  model 1, AVX2 only: the FineWeb-Edu step ran for more than 15 minutes).
+  There the three runs train and evaluate in fp32
+  (``trainer.mixed_precision.mode=off``, ``model.dtype=float32``) and the
+  test says so; bf16 mixed precision, static and autocast, is then
+  ``test_mixed_precision.py``'s and ``test_bf16_parity.py``'s, at a size
+  such a CPU runs;
 - the FineWeb-Edu config asks for fla's kernels (``gdn_backend: fla``), which
   run on CUDA only (on CPU only under Triton's interpreter, and only in
   fp32); the test runs the PyTorch kernels instead.
@@ -50,12 +60,14 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
 import pytest
+import torch
 
 from hf_reference import end_hf_reference_subprocess, qwen35_0p8b_spec
 from hf_reference.runner import HfReferenceBatch
@@ -83,10 +95,18 @@ NUM_HELD_OUT: Final = 8
 # 1,024 did (docs/performance.md); the validation and the activations shrink.
 NUM_TOKENS: Final = 256
 
+# Whether PyTorch multiplies bf16 matrices on this CPU with oneDNN rather than
+# in scalar code (see the module docstring).
+BF16_GEMMS: Final = torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+# The training configs' precision where the CPU has no bf16 products.
+PRECISION_OVERRIDES: Final = () if BF16_GEMMS else ("trainer.mixed_precision.mode=off",)
+
 STEP_OVERRIDES: Final = (
     f"regime.num_steps={NUM_STEPS}",
     "regime.publish_metrics_every_n_steps=1",
     f"regime.checkpoint_every_n_steps={NUM_STEPS}",
+    *PRECISION_OVERRIDES,
 )
 
 
@@ -175,7 +195,14 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def measurements() -> Iterator[dict[str, object]]:
-    results: dict[str, object] = {}
+    if BF16_GEMMS:
+        precision = "bf16, as configured"
+    else:
+        precision = f"fp32: PyTorch's CPU capability here is {torch.backends.cpu.get_cpu_capability()}, its bf16 products scalar code"
+
+        warnings.warn(f"The production configurations run in {precision} (see the module docstring).", stacklevel=1)
+
+    results: dict[str, object] = {"precision": precision}
 
     yield results
 
@@ -259,6 +286,9 @@ def test_sft_then_eval_configs_run_as_they_are(
         measurements["sft"] = {"peak_rss_mib": [p >> 20 for p in peaks], "wall_s": round(wall_time), "step_s": [round(m["Compute Time"], 1) for m in metrics.values()]}
 
         eval_overrides = [f"common.assets.prev_checkpoint_dir={sft_dir / 'checkpoints'}", "seq_generator.config.max_gen_len=16"]
+
+        if not BF16_GEMMS:
+            eval_overrides.append("model.dtype=float32")
 
         peaks, wall_time = _run_measured("eval_gsm8k", eval_dir, "qwen35_0.8b_gsm8k_eval.yaml", eval_overrides, hub)
 
