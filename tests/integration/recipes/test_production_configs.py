@@ -39,7 +39,7 @@ What differs is where the files come from and how long the runs are:
 - the precision, on a CPU without bf16 matrix products: PyTorch multiplies
   bf16 matrices with oneDNN only where its CPU capability is AVX512
   (``torch.backends.cpu.get_cpu_capability()``), elsewhere in scalar code
-  10 to 70 times slower than fp32 (measured on an AMD EPYC of family 25,
+  3 to 70 times slower than fp32 (measured on an AMD EPYC of family 25,
   model 1, AVX2 only: the FineWeb-Edu step ran for more than 14 minutes).
   There the three runs train and evaluate in fp32
   (``trainer.mixed_precision.mode=off``, ``model.dtype=float32``) and the
@@ -95,9 +95,11 @@ NUM_HELD_OUT: Final = 8
 # 1,024 did (docs/performance.md); the validation and the activations shrink.
 NUM_TOKENS: Final = 256
 
+CPU_CAPABILITY: Final = torch.backends.cpu.get_cpu_capability()
+
 # Whether PyTorch multiplies bf16 matrices on this CPU with oneDNN rather than
 # in scalar code (see the module docstring).
-BF16_GEMMS: Final = torch.backends.cpu.get_cpu_capability() == "AVX512"
+BF16_GEMMS: Final = CPU_CAPABILITY == "AVX512"
 
 # The training configs' precision where the CPU has no bf16 products.
 PRECISION_OVERRIDES: Final = () if BF16_GEMMS else ("trainer.mixed_precision.mode=off",)
@@ -198,7 +200,7 @@ def measurements() -> Iterator[dict[str, object]]:
     if BF16_GEMMS:
         precision = "bf16, as configured"
     else:
-        precision = f"fp32: PyTorch's CPU capability here is {torch.backends.cpu.get_cpu_capability()}, its bf16 products scalar code"
+        precision = f"fp32: PyTorch's CPU capability here is {CPU_CAPABILITY}, its bf16 products scalar code"
 
         warnings.warn(f"The production configurations run in {precision} (see the module docstring).", stacklevel=1)
 
