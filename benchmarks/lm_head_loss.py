@@ -127,13 +127,20 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
         return t
 
     if args.worker == "floor":
+        # The weight with its classes contiguous as well, made before the
+        # step: the product that sums over the classes reads it so. On CPUs
+        # without AVX-512, PyTorch's bf16 and fp16 products run the
+        # row-major weight's layout in scalar code (docs/performance.md, "The
+        # LM-head loss in bf16 on a CPU without AVX-512"), and a floor of them
+        # would not be one.
+        weight_by_class = proj.weight.detach().t().contiguous().t()
 
         def forward() -> Any:
             return x.detach() @ proj.weight.detach().t()
 
         def backward(logits: Any) -> None:
             # The logits stand in for their gradient.
-            logits @ proj.weight.detach()
+            logits @ weight_by_class
 
             logits.t() @ x.detach()
 
