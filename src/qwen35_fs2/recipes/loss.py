@@ -156,6 +156,7 @@ def chunked_cross_entropy(
                 compute_dtype,
                 label_smoothing,
                 block_size,
+                chunk_size * weight.size(0),
             )
 
             return loss
@@ -296,6 +297,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         compute_dtype: torch.dtype,
         label_smoothing: float,
         block_size: int,
+        max_block_numel: int,
     ) -> Tensor:
         num_classes = weight.size(0)
 
@@ -359,6 +361,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         ctx.compute_dtype = compute_dtype
         ctx.label_smoothing = label_smoothing
         ctx.block_size = block_size
+        ctx.max_block_numel = max_block_numel
 
         return (token_loss * target_weights).sum()
 
@@ -423,7 +426,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     weight_grad[begin:end] = grad.t() @ compute_inputs
 
             if input_grad is not None:
-                input_grad += grad @ _reduction_major(block_weight)
+                _add_input_grad(input_grad, grad, block_weight, ctx.max_block_numel)
 
             # Frees the block before the next one is computed.
             del grad, logits
@@ -431,7 +434,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         if input_grad is not None:
             input_grad = input_grad.to(inputs.dtype)
 
-        return input_grad, weight_grad, bias_grad, None, None, None, None, None
+        return input_grad, weight_grad, bias_grad, None, None, None, None, None, None
 
 
 def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, float]:
@@ -492,24 +495,38 @@ def _block_logits(
     return block_weight, logits, block_targets, in_block
 
 
-def _reduction_major(block_weight: Tensor) -> Tensor:
-    """Returns ``block_weight`` laid out, on the CPU in bf16 or fp16, with
-    its classes contiguous, as the right operand of a product that sums over
-    them (the gradient of the decoder output, ``grad @ block_weight``).
+def _add_input_grad(input_grad: Tensor, grad: Tensor, block_weight: Tensor, max_block_numel: int) -> None:
+    """Adds ``grad @ block_weight``, the block's part of the gradient of the
+    decoder output, to ``input_grad``.
 
     Where PyTorch has no oneDNN product for the dtype (bf16 on CPUs without
-    AVX-512, fp16 on those without AVX-512-FP16), its own GEMM computes the
-    row-major layout, summing over the strided dimension, in scalar code:
-    0.6 to 1.4 GFLOP/s, against 19 to 24 with the classes contiguous (an
-    AVX2 EPYC; docs/performance.md, "The LM-head loss in bf16 on a CPU
-    without AVX-512"). The copy is one block of the weight, ``1 / N`` of
-    the product's work for ``N`` tokens. CUDA's products take either layout
-    at full speed, and fp32 goes to MKL on the CPU: both keep the view.
+    AVX-512, fp16 on those without AVX-512-FP16), its own GEMM computes this
+    layout, summing over the strided dimension of the row-major weight, in
+    scalar code: 0.6 to 1.4 GFLOP/s, against 19 to 24 with the weight's
+    classes contiguous (an AVX2 EPYC; docs/performance.md, "The LM-head loss
+    in bf16 on a CPU without AVX-512"). On the CPU in bf16 or fp16 the
+    weight is therefore copied so laid out, in pieces of at most
+    ``max_block_numel`` elements (those of the largest block of logits the
+    loss holds), so that the copy adds no more memory than a block of
+    logits: at Qwen3.5-27B's shapes a whole block of the weight is larger.
+    The piece size depends on the shapes of the weight only, so that
+    ``torch.compile`` sees the same pieces for every token count. CUDA's
+    products take either layout at full speed, and fp32 goes to MKL on the
+    CPU: both multiply the view.
     """
     if block_weight.device.type != "cpu" or block_weight.dtype not in (torch.bfloat16, torch.float16):
-        return block_weight
+        input_grad += grad @ block_weight
 
-    return block_weight.t().contiguous().t()
+        return
+
+    num_rows, model_dim = block_weight.shape
+
+    piece_rows = max(1, max_block_numel // model_dim)
+
+    for begin in range(0, num_rows, piece_rows):
+        piece = block_weight[begin : begin + piece_rows]
+
+        input_grad += grad[:, begin : begin + piece_rows] @ piece.t().contiguous().t()
 
 
 def _count_loss_targets(
