@@ -71,6 +71,21 @@ def _assert_rows_close(name: str, expected: Tensor, actual: Tensor, ratio: float
     )
 
 
+def _copy_to_projection(fp32_values: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, Linear]:
+    """Returns the decoder output and an LM head with bias, in ``dtype``,
+    from ``fp32_values`` (decoder output, weight, bias)."""
+    decoder_output, weight, bias = fp32_values
+
+    proj = Linear(weight.size(1), weight.size(0), bias=True, dtype=dtype)
+
+    with torch.no_grad():
+        proj.weight.copy_(weight)
+        assert proj.bias is not None
+        proj.bias.copy_(bias)
+
+    return decoder_output.to(dtype).requires_grad_(), proj
+
+
 class _WrappedProjection(Projection):
     def __init__(self, proj: Linear) -> None:
         super().__init__(proj.input_dim, proj.output_dim)
@@ -242,14 +257,7 @@ class TestChunkedCrossEntropy:
 
         param_dtype = torch.float16 if fp16 == "params" else torch.float32
 
-        proj = Linear(model_dim, num_classes, bias=True, dtype=param_dtype)
-
-        with torch.no_grad():
-            proj.weight.copy_(fp32_values[1])
-            assert proj.bias is not None
-            proj.bias.copy_(fp32_values[2])
-
-        x = fp32_values[0].to(param_dtype).requires_grad_()
+        x, proj = _copy_to_projection(fp32_values, param_dtype)
 
         scaler = GradScaler("cpu", init_scale=2.0**16)
 
@@ -317,14 +325,7 @@ class TestChunkedCrossEntropy:
         param_dtype = torch.bfloat16 if bf16 == "params" else torch.float32
 
         def bf16_grads(fused: bool) -> list[Tensor]:
-            proj = Linear(model_dim, num_classes, bias=True, dtype=param_dtype)
-
-            with torch.no_grad():
-                proj.weight.copy_(fp32_values[1])
-                assert proj.bias is not None
-                proj.bias.copy_(fp32_values[2])
-
-            x = fp32_values[0].to(param_dtype).requires_grad_()
+            x, proj = _copy_to_projection(fp32_values, param_dtype)
 
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
                 if fused:
