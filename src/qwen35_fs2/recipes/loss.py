@@ -301,14 +301,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     ) -> Tensor:
         num_classes = weight.size(0)
 
-        # As an index out of range would in `cross_entropy`, without a
-        # device synchronisation.
-        torch._assert_async(
-            ((targets >= 0) & (targets < num_classes)).all(),
-            f"`targets` must be class indices in [0, {num_classes}), but some are not.",
-        )
-
-        smoothing, nll_coeff = _smoothing_coeffs(label_smoothing, num_classes)
+        _check_targets(targets, num_classes)
 
         # Each token's log-sum-exp, kept as ``max + log(sum)`` (as
         # `log_softmax` computes it): the backward pass subtracts the two in
@@ -333,7 +326,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
             target_logits = torch.where(in_block, block_target_logits, target_logits)
 
-            if smoothing > 0.0:
+            if label_smoothing > 0.0:
                 logit_sums += logits.sum(-1)
 
             new_max_logits = torch.maximum(max_logits, logits.amax(-1))
@@ -349,12 +342,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
         log_sum_exps = sum_exps.log()
 
-        token_loss = nll_coeff * (max_logits - target_logits + log_sum_exps)
-
-        if smoothing > 0.0:
-            lse = max_logits + log_sum_exps
-
-            token_loss = token_loss + smoothing * (num_classes * lse - logit_sums)
+        token_loss = _token_losses(
+            max_logits, log_sum_exps, target_logits, logit_sums, num_classes, label_smoothing
+        )
 
         ctx.save_for_backward(inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps)
 
@@ -374,11 +364,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         need_input_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
 
         num_classes = weight.size(0)
-
-        smoothing, nll_coeff = _smoothing_coeffs(ctx.label_smoothing, num_classes)
-
-        # The coefficient of the softmax in the gradient of the logits.
-        softmax_coeff = nll_coeff + smoothing * num_classes
 
         # Scales each token's logit gradient in fp32, before any rounding.
         # *Shape:* (N, 1)
@@ -403,14 +388,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
             # The gradient of the loss with respect to the block's logits, in
             # place of them.
-            grad = logits.sub_(max_logits).sub_(log_sum_exps).exp_().mul_(softmax_coeff)
-
-            grad.scatter_add_(-1, block_targets, in_block.unsqueeze(-1).to(grad.dtype).mul_(-nll_coeff))
-
-            if smoothing > 0.0:
-                grad.sub_(smoothing)
-
-            grad.mul_(token_scales)
+            grad = _logit_grads_(
+                logits.sub_(max_logits).sub_(log_sum_exps).exp_(),
+                block_targets,
+                in_block,
+                token_scales,
+                ctx.label_smoothing,
+                num_classes,
+            )
 
             if bias_grad is not None:
                 bias_grad[begin:end] = grad.sum(0)
@@ -442,6 +427,63 @@ def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, 
     smoothing = label_smoothing / (num_classes - 1) if label_smoothing > 0.0 else 0.0
 
     return smoothing, 1.0 - label_smoothing - smoothing
+
+
+def _check_targets(targets: Tensor, num_classes: int) -> None:
+    """Fails, as an index out of range would in `cross_entropy`, if a target
+    is not a class; without a device synchronisation."""
+    torch._assert_async(
+        ((targets >= 0) & (targets < num_classes)).all(),
+        f"`targets` must be class indices in [0, {num_classes}), but some are not.",
+    )
+
+
+def _token_losses(
+    max_logits: Tensor,
+    log_sum_exps: Tensor,
+    target_logits: Tensor,
+    logit_sums: Tensor,
+    num_classes: int,
+    label_smoothing: float,
+) -> Tensor:
+    """Returns each token's loss from its log-sum-exp (as ``max_logits +
+    log_sum_exps``), its target's logit and (with label smoothing) the sum of
+    its logits; see :class:`_FusedLinearCrossEntropy`."""
+    smoothing, nll_coeff = _smoothing_coeffs(label_smoothing, num_classes)
+
+    token_loss = nll_coeff * (max_logits - target_logits + log_sum_exps)
+
+    if smoothing > 0.0:
+        lse = max_logits + log_sum_exps
+
+        token_loss = token_loss + smoothing * (num_classes * lse - logit_sums)
+
+    return token_loss
+
+
+def _logit_grads_(
+    probs: Tensor,
+    block_targets: Tensor,
+    in_block: Tensor,
+    token_scales: Tensor,
+    label_smoothing: float,
+    num_classes: int,
+) -> Tensor:
+    """Turns ``probs``, the fp32 probabilities of a block of the
+    ``num_classes`` classes (``(N, C)``), into the gradient of the loss with
+    respect to their logits, in place, each token's row multiplied by
+    ``token_scales`` (``(N, 1)``) before any rounding; see
+    :class:`_FusedLinearCrossEntropy` for the formula."""
+    smoothing, nll_coeff = _smoothing_coeffs(label_smoothing, num_classes)
+
+    grad = probs.mul_(nll_coeff + smoothing * num_classes)
+
+    grad.scatter_add_(-1, block_targets, in_block.unsqueeze(-1).to(grad.dtype).mul_(-nll_coeff))
+
+    if smoothing > 0.0:
+        grad.sub_(smoothing)
+
+    return grad.mul_(token_scales)
 
 
 def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int:
