@@ -8,16 +8,26 @@ entropy run piece by piece, so that peak memory is the logits of
 ``chunk_size`` tokens instead of the batch's:
 
 - when training with a summed or mean loss through a plain (tied or
-  unsharded) projection, the pieces are blocks of classes, each over all
-  tokens. The forward pass keeps only each token's log-sum-exp; the backward
-  pass recomputes each block's logits and forms their gradient in fp32,
-  multiplied by the incoming gradient before it is rounded to the compute
-  dtype, so that fp16 training gets its loss scale applied before small
-  probabilities underflow. Nothing of the projection's size is held between
-  the passes, and the weight's gradient is written in place, block by block,
-  without an fp32 copy. This costs one more projection (the logits twice)
-  than computing the gradients in the forward pass; see
-  ``docs/performance.md``;
+  unsharded) projection, the loss is fused with the projection, in one of
+  two ways:
+
+  - where the gradients come out as exactly (fp32, a frozen projection as
+    LoRA trains it, or all tokens in one chunk; never fp16, never under
+    ``torch.compile``), the pieces are chunks of tokens, each with all
+    classes, and the forward pass computes the gradients too: the logits
+    once, three products of the projection's size. What it keeps for the
+    backward pass is the gradients themselves, which the other way
+    allocates as its backward pass starts;
+  - otherwise the pieces are blocks of classes, each over all tokens. The
+    forward pass keeps only each token's log-sum-exp; the backward pass
+    recomputes each block's logits and forms their gradient in fp32,
+    multiplied by the incoming gradient before it is rounded to the compute
+    dtype, so that fp16 training gets its loss scale applied before small
+    probabilities underflow. Nothing of the projection's size is held
+    between the passes, and the weight's gradient is written in place,
+    block by block, without an fp32 copy, at the cost of one more product
+    of the projection's size (the logits twice); see
+    ``docs/performance.md``;
 - otherwise the pieces are chunks of tokens, each checkpointed: its logits
   are freed after the forward pass and recomputed, one chunk at a time, in
   the backward pass.
@@ -67,8 +77,9 @@ DEFAULT_LOSS_CHUNK_SIZE: Final = 1024
 """
 The default number of tokens whose logits are computed at once: their fp32
 logits take ``chunk_size * vocab_size * 4`` bytes (1 GiB with Qwen3.5's
-vocabulary). The fused path computes as many logits at once, as a block of
-``chunk_size * vocab_size / num_tokens`` classes for all tokens.
+vocabulary). The fused path that computes its gradients in the backward pass
+computes as many logits at once, as a block of ``chunk_size * vocab_size /
+num_tokens`` classes for all tokens.
 """
 
 
@@ -144,6 +155,21 @@ def chunked_cross_entropy(
 
             # Under autocast, the projection runs in the autocast dtype.
             compute_dtype = autocast_dtype(flat_output)
+
+            if _gradients_in_forward(flat_targets.size(0), chunk_size, weight, compute_dtype):
+                loss = _LinearCrossEntropyWithForwardGrads.apply(  # type: ignore[no-untyped-call]
+                    flat_output,
+                    weight,
+                    bias,
+                    flat_targets,
+                    target_weights,
+                    compute_dtype,
+                    label_smoothing,
+                    chunk_size,
+                    chunk_size * weight.size(0),
+                )
+
+                return loss
 
             block_size = _class_block_size(flat_targets.size(0), weight.size(0), chunk_size)
 
@@ -422,6 +448,179 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return input_grad, weight_grad, bias_grad, None, None, None, None, None, None
 
 
+def _gradients_in_forward(
+    num_tokens: int, chunk_size: int, weight: Tensor, compute_dtype: torch.dtype
+) -> bool:
+    """Whether the fused loss computes its gradients in its forward pass
+    (:class:`_LinearCrossEntropyWithForwardGrads`: the logits once, three
+    products of the projection's size) rather than in its backward pass
+    (:class:`_FusedLinearCrossEntropy`: the logits twice, four).
+
+    Only where the gradients come out as exactly and the step's peak memory
+    stays the same:
+
+    - not in fp16: the loss scale arrives in the backward pass, and the
+      probabilities of a large vocabulary underflow in fp16 unless scaled
+      before they are rounded;
+    - not under ``torch.compile``: the loop over chunks of tokens would
+      specialize the graph on the token count (see :func:`_class_block_size`);
+    - the weight's gradient, if needed, must be what one GEMM gives: with
+      more than one chunk of tokens it is summed over the chunks, exactly
+      only in place in fp32 (a bf16 weight, or bf16 products of an fp32
+      weight under autocast, would round each chunk's part).
+
+    Frozen LM heads (LoRA) qualify in bf16 as in fp32.
+    """
+    if compute_dtype == torch.float16 or torch.compiler.is_compiling():
+        return False
+
+    if not weight.requires_grad or num_tokens <= chunk_size:
+        return True
+
+    return weight.dtype == torch.float32 and compute_dtype == torch.float32
+
+
+class _LinearCrossEntropyWithForwardGrads(torch.autograd.Function):
+    """Computes the loss of :class:`_FusedLinearCrossEntropy` over chunks of
+    ``chunk_size`` tokens, each with all classes, and its gradients in the
+    same pass: each chunk's logits are computed once, turned into their
+    gradient in place, and multiplied into the gradients of ``x`` (written
+    in place) and of the weight (accumulated in place).
+
+    What the forward pass keeps for the backward pass is the gradients
+    themselves, which the backward pass only multiplies by ``grad_output``:
+    exactly when that is ``1`` (fairseq2's trainer calls ``loss.backward()``
+    and divides the gradients by the number of targets afterwards) or a
+    power of two; otherwise a bf16 gradient is rounded a second time. They
+    are the tensors :class:`_FusedLinearCrossEntropy` allocates as its
+    backward pass starts, when the model's activations are as large as when
+    its forward pass ends: the step's peak is the same. Where this is used:
+    :func:`_gradients_in_forward`.
+    """
+
+    @staticmethod
+    @autocast_free
+    def forward(
+        ctx: Any,
+        inputs: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        target_weights: Tensor,
+        compute_dtype: torch.dtype,
+        label_smoothing: float,
+        chunk_size: int,
+        max_block_numel: int,
+    ) -> Tensor:
+        need_input_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
+
+        num_classes = weight.size(0)
+
+        _check_targets(targets, num_classes)
+
+        compute_inputs = inputs.to(compute_dtype)
+
+        # Cast once for all chunks, as autocast casts the weight of a linear.
+        compute_weight = weight.to(compute_dtype)
+
+        input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
+
+        weight_grad = torch.zeros_like(weight) if need_weight_grad else None
+
+        # Summed over the chunks in fp32, then cast.
+        bias_grad = torch.zeros_like(bias, dtype=torch.float32) if need_bias_grad else None  # type: ignore[arg-type]
+
+        loss = target_weights.new_zeros(())
+
+        for begin in range(0, targets.size(0), chunk_size):
+            end = begin + chunk_size
+
+            chunk_inputs = compute_inputs[begin:end]
+
+            _, logits, chunk_targets, in_block = _block_logits(
+                chunk_inputs, compute_weight, bias, targets[begin:end], 0, num_classes
+            )
+
+            target_logits = logits.gather(-1, chunk_targets)
+
+            logit_sums = logits.sum(-1, keepdim=True) if label_smoothing > 0.0 else None
+
+            max_logits = logits.amax(-1, keepdim=True)
+
+            # The probabilities, in place of the logits.
+            probs = logits.sub_(max_logits).exp_()
+
+            sum_exps = probs.sum(-1, keepdim=True)
+
+            token_loss = _token_losses(
+                max_logits, sum_exps.log(), target_logits, logit_sums, num_classes, label_smoothing
+            )
+
+            chunk_weights = target_weights[begin:end].unsqueeze(-1)
+
+            loss += (token_loss * chunk_weights).sum()
+
+            grad = _logit_grads_(
+                probs.div_(sum_exps), chunk_targets, in_block, chunk_weights, label_smoothing, num_classes
+            )
+
+            if bias_grad is not None:
+                bias_grad += grad.sum(0)
+
+            grad = grad.to(compute_dtype)
+
+            if weight_grad is not None:
+                if weight_grad.dtype == grad.dtype:
+                    torch.addmm(weight_grad, grad.t(), chunk_inputs, out=weight_grad)
+                else:
+                    # An fp32 weight under autocast, in one chunk (see
+                    # `_gradients_in_forward`).
+                    weight_grad += grad.t() @ chunk_inputs
+
+            if input_grad is not None:
+                _add_input_grad(input_grad[begin:end], grad, compute_weight, max_block_numel)
+
+            # Frees the chunk before the next one is computed.
+            del grad, logits, probs
+
+        if bias_grad is not None:
+            bias_grad = bias_grad.to(bias.dtype)  # type: ignore[union-attr]
+
+        ctx.save_for_backward(input_grad, weight_grad, bias_grad)
+
+        ctx.input_dtype = inputs.dtype
+
+        ctx.gave_gradients = False
+
+        return loss
+
+    @staticmethod
+    @autocast_free
+    @once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        # The gradients are scaled in place: a copy would double the weight
+        # gradient's memory as the backward pass starts.
+        if ctx.gave_gradients:
+            raise RuntimeError(
+                "The fused LM-head loss computes its gradients in its forward pass and gives them up in its first backward pass, but a second backward pass (`retain_graph=True`) reached it. Compute the loss again for each backward pass."
+            )
+
+        ctx.gave_gradients = True
+
+        input_grad, weight_grad, bias_grad = ctx.saved_tensors
+
+        if input_grad is not None:
+            input_grad = input_grad.mul_(grad_output).to(ctx.input_dtype)
+
+        if weight_grad is not None:
+            weight_grad.mul_(grad_output)
+
+        if bias_grad is not None:
+            bias_grad.mul_(grad_output)
+
+        return input_grad, weight_grad, bias_grad, None, None, None, None, None, None
+
+
 def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, float]:
     """Returns ``e'`` and ``1 - e - e'`` of :class:`_FusedLinearCrossEntropy`."""
     smoothing = label_smoothing / (num_classes - 1) if label_smoothing > 0.0 else 0.0
@@ -442,18 +641,21 @@ def _token_losses(
     max_logits: Tensor,
     log_sum_exps: Tensor,
     target_logits: Tensor,
-    logit_sums: Tensor,
+    logit_sums: Tensor | None,
     num_classes: int,
     label_smoothing: float,
 ) -> Tensor:
     """Returns each token's loss from its log-sum-exp (as ``max_logits +
-    log_sum_exps``), its target's logit and (with label smoothing) the sum of
-    its logits; see :class:`_FusedLinearCrossEntropy`."""
+    log_sum_exps``), its target's logit and, with label smoothing, the sum of
+    its logits (``None`` without); see :class:`_FusedLinearCrossEntropy`."""
     smoothing, nll_coeff = _smoothing_coeffs(label_smoothing, num_classes)
 
     token_loss = nll_coeff * (max_logits - target_logits + log_sum_exps)
 
     if smoothing > 0.0:
+        if logit_sums is None:
+            raise InternalError("`logit_sums` is `None` with label smoothing.")
+
         lse = max_logits + log_sum_exps
 
         token_loss = token_loss + smoothing * (num_classes * lse - logit_sums)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.amp import GradScaler
+from torch.utils.flop_counter import FlopCounterMode
 
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, Linear, Projection
@@ -16,6 +17,7 @@ from fairseq2.nn.functional import cross_entropy
 
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
+from qwen35_fs2.recipes import loss as loss_module
 from qwen35_fs2.recipes.loss import MtpLossMode, chunked_cross_entropy, install_chunked_lm_loss
 
 VOCAB_SIZE = 37
@@ -86,6 +88,16 @@ def _copy_to_projection(fp32_values: list[Tensor], dtype: torch.dtype) -> tuple[
     return decoder_output.to(dtype).requires_grad_(), proj
 
 
+FusedPath = Literal["forward_grads", "class_blocks"]
+
+
+def _force_fused_path(monkeypatch: pytest.MonkeyPatch, path: FusedPath) -> None:
+    """Makes the fused loss compute its gradients in its forward pass
+    (``forward_grads``) or in its backward pass (``class_blocks``) whatever
+    its inputs, so that both paths run in fp32."""
+    monkeypatch.setattr(loss_module, "_gradients_in_forward", lambda *args: path == "forward_grads")
+
+
 class _WrappedProjection(Projection):
     def __init__(self, proj: Linear) -> None:
         super().__init__(proj.input_dim, proj.output_dim)
@@ -103,7 +115,7 @@ class TestChunkedCrossEntropy:
     @pytest.mark.parametrize("use_mask", [False, True], ids=["no_mask", "mask"])
     @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
     @pytest.mark.parametrize("chunk_size", [3, 1000], ids=["chunk3", "one_chunk"])
-    @pytest.mark.parametrize("wrap", [False, True], ids=["fused", "checkpointed"])
+    @pytest.mark.parametrize("path", ["forward_grads", "class_blocks", "checkpointed"])
     def test_matches_fairseq2_cross_entropy_and_its_gradients(
         self,
         shape: tuple[int, ...],
@@ -112,13 +124,19 @@ class TestChunkedCrossEntropy:
         use_mask: bool,
         label_smoothing: float,
         chunk_size: int,
-        wrap: bool,
+        path: str,
+        monkeypatch: pytest.MonkeyPatch,
     ) -> None:
         decoder_output, proj, targets, target_mask = _make_inputs(shape)
 
-        # A plain projection takes the fused path for summed and mean losses
+        # A plain projection takes a fused path for summed and mean losses
         # with gradients; any other, the checkpointed path.
-        final_proj = _WrappedProjection(proj) if wrap else proj
+        if path == "checkpointed":
+            final_proj: Projection = _WrappedProjection(proj)
+        else:
+            final_proj = proj
+
+            _force_fused_path(monkeypatch, path)  # type: ignore[arg-type]
 
         mask = target_mask if use_mask else None
 
@@ -190,13 +208,22 @@ class TestChunkedCrossEntropy:
 
         torch.testing.assert_close(decoder_output.grad, expected_grad, rtol=1e-5, atol=1e-6)
 
-    def test_keeps_nothing_larger_than_a_value_per_token_for_the_backward_pass(self) -> None:
-        """Beyond its inputs, the fused path keeps at most one value per token
-        (no gradient of the projection computed ahead) between its forward and
-        backward passes, when the activations of the model peak."""
+    @pytest.mark.parametrize("path", ["forward_grads", "class_blocks"])
+    def test_keeps_nothing_larger_than_a_value_per_token_but_the_gradients_for_the_backward_pass(
+        self, path: FusedPath, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Beyond its inputs, the fused loss keeps between its forward and
+        backward passes, when the activations of the model peak, at most one
+        value per token, and, if it computes them in its forward pass, the
+        gradients of its inputs, which it would allocate as its backward
+        pass starts otherwise."""
         decoder_output, proj, targets, target_mask = _make_inputs((64,))
 
         assert proj.bias is not None
+
+        _force_fused_path(monkeypatch, path)
+
+        gradient_shapes = [tuple(t.shape) for t in (decoder_output, proj.weight, proj.bias)]
 
         inputs = {t.untyped_storage().data_ptr() for t in (decoder_output, proj.weight, proj.bias, targets)}
 
@@ -215,12 +242,94 @@ class TestChunkedCrossEntropy:
 
         large = [s for s in saved_shapes if math.prod(s) > targets.numel()]
 
-        assert large == [], f"Saved tensors of shapes {large} for the backward pass."
+        if path == "forward_grads":
+            # Those of the decoder output and the weight; the bias has fewer
+            # values than there are tokens.
+            expected = [s for s in gradient_shapes if math.prod(s) > targets.numel()]
 
-    @pytest.mark.parametrize("fp16", ["params", "autocast"])
+            assert len(expected) == 2
+
+            assert sorted(large) == sorted(expected), f"Saved tensors of shapes {large} for the backward pass."
+        else:
+            assert large == [], f"Saved tensors of shapes {large} for the backward pass."
+
+    @pytest.mark.parametrize(
+        ("dtype", "autocast", "frozen", "chunk_size", "expected"),
+        [
+            # The logits once: in the forward pass, with the gradients.
+            (torch.float32, False, False, 16, 3),
+            (torch.bfloat16, False, False, 64, 3),
+            (torch.float32, True, False, 64, 3),
+            # No weight gradient to sum over the chunks: the logits and the
+            # gradient of the decoder output.
+            (torch.float32, False, True, 16, 2),
+            (torch.bfloat16, False, True, 16, 2),
+            # The logits twice, in both passes: a bf16 weight gradient (or
+            # bf16 parts of an fp32 one) would be rounded once per chunk,
+            # and fp16 needs the loss scale before the rounding.
+            (torch.bfloat16, False, False, 16, 4),
+            (torch.float32, True, False, 16, 4),
+            (torch.float16, False, False, 64, 4),
+            (torch.float16, False, True, 16, 3),
+        ],
+        ids=[
+            "fp32", "bf16-one_chunk", "autocast-one_chunk", "fp32-frozen", "bf16-frozen",
+            "bf16", "autocast", "fp16-one_chunk", "fp16-frozen",
+        ],
+    )  # fmt: skip
+    def test_computes_the_logits_once_where_the_gradients_come_out_as_exactly(
+        self, dtype: torch.dtype, autocast: bool, frozen: bool, chunk_size: int, expected: int
+    ) -> None:
+        """Counts the products of the projection's size (``2 N V M`` FLOPs
+        each) in a forward and backward pass: three (the logits, and the
+        gradients of the decoder output and the weight) where the gradients
+        are computed in the forward pass, four where the backward pass
+        computes the logits again."""
+        num_classes, model_dim, num_tokens = 64, 8, 48
+
+        generator = torch.Generator().manual_seed(3)
+
+        fp32_values = [
+            torch.randn(num_tokens, model_dim, generator=generator),
+            torch.randn(num_classes, model_dim, generator=generator),
+            torch.randn(num_classes, generator=generator),
+        ]
+
+        x, proj = _copy_to_projection(fp32_values, dtype)
+
+        proj.requires_grad_(not frozen)
+
+        targets = torch.randint(0, num_classes, (num_tokens,), generator=generator)
+
+        with FlopCounterMode(display=False) as counter:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                loss = chunked_cross_entropy(x, proj, targets, None, chunk_size=chunk_size)
+
+            loss.backward()
+
+        assert x.grad is not None and (proj.weight.grad is None) == frozen
+
+        products = counter.get_total_flops() / (2 * num_tokens * num_classes * model_dim)
+
+        assert products == expected
+
+    def test_a_second_backward_pass_through_gradients_computed_ahead_is_a_clear_error(self) -> None:
+        """The gradients computed in the forward pass are scaled in place by
+        the first backward pass; a second one would scale them again."""
+        decoder_output, proj, targets, _ = _make_inputs((29,))
+
+        loss = chunked_cross_entropy(decoder_output, proj, targets, None, chunk_size=8)
+
+        loss.backward(retain_graph=True)
+
+        with pytest.raises(RuntimeError, match=r"a second backward pass \(`retain_graph=True`\) reached it"):
+            loss.backward()
+
+    @pytest.mark.parametrize("fp16", ["params", "autocast", "frozen_params"])
     def test_fp16_gradients_with_a_loss_scale_match_fp32(self, fp16: str) -> None:
-        """fp16 training (fp16 parameters, or fp32 ones under fp16 autocast)
-        with a loss scale gets the fp32 gradients, up to fp16 rounding.
+        """fp16 training (fp16 parameters, or fp32 ones under fp16 autocast,
+        or a frozen fp16 LM head as LoRA trains) with a loss scale gets the
+        fp32 gradients, up to fp16 rounding.
 
         The distribution over the 4,096 classes is peaked, as a trained
         model's over Qwen3.5's vocabulary is: the target logit is about 20,
@@ -255,9 +364,13 @@ class TestChunkedCrossEntropy:
 
         expected_grads = torch.autograd.grad(expected, [x, w, b])
 
-        param_dtype = torch.float16 if fp16 == "params" else torch.float32
+        param_dtype = torch.float32 if fp16 == "autocast" else torch.float16
 
         x, proj = _copy_to_projection(fp32_values, param_dtype)
+
+        frozen = fp16 == "frozen_params"
+
+        proj.requires_grad_(not frozen)
 
         scaler = GradScaler("cpu", init_scale=2.0**16)
 
@@ -267,12 +380,15 @@ class TestChunkedCrossEntropy:
 
         scaler.scale(loss).backward()
 
-        actual_grads = [t.grad for t in (x, proj.weight, proj.bias)]
+        # A frozen head has no gradients.
+        actual_grads = [t.grad for t in (x, proj.weight, proj.bias)[: 1 if frozen else 3]]
 
-        for name, e, a in zip(["decoder_output", "weight", "bias"], expected_grads, actual_grads):
+        assert frozen == (proj.weight.grad is None and proj.bias.grad is None)
+
+        for name, a in zip(["decoder_output", "weight", "bias"], actual_grads):
             assert a is not None and a.dtype == param_dtype, f"{name}: gradient of dtype {None if a is None else a.dtype}"
 
-        x_grad, weight_grad, bias_grad = (a.double() / scaler.get_scale() for a in actual_grads)  # type: ignore[union-attr]
+        x_grad, *param_grads = (a.double() / scaler.get_scale() for a in actual_grads)  # type: ignore[union-attr]
 
         # fp16 rounds logits of about 20 by up to 2^-7, which moves each
         # probability by up to 0.8%, and a token's or a class's gradient by a
@@ -280,6 +396,12 @@ class TestChunkedCrossEntropy:
         # off by up to 100%. Each row counts, as the rows of classes with
         # small probabilities underflow first.
         _assert_rows_close("decoder_output", expected_grads[0], x_grad, 0.1)
+
+        if frozen:
+            return
+
+        weight_grad, bias_grad = param_grads
+
         _assert_rows_close("weight", expected_grads[1], weight_grad, 0.1)
 
         # The bias gradient of a target class is ``p_t - 1`` plus the
@@ -289,11 +411,13 @@ class TestChunkedCrossEntropy:
 
         assert bias_error <= 1e-2, f"bias: off by {bias_error:.3g} of its norm"
 
-    @pytest.mark.parametrize("bf16", ["params", "autocast"])
+    @pytest.mark.parametrize("bf16", ["params", "autocast", "frozen_params"])
     def test_bf16_gradients_are_as_close_to_fp32_as_plain_bf16(self, bf16: str) -> None:
-        """bf16 training (bf16 parameters, or fp32 ones under bf16 autocast)
-        gets the fp32 gradients as closely as PyTorch's unfused loss in bf16
-        does (the logits in bf16, their softmax in fp32).
+        """bf16 training (bf16 parameters, or fp32 ones under bf16 autocast,
+        or a frozen bf16 LM head as LoRA trains, whose loss computes the
+        gradient in its forward pass) gets the fp32 gradients as closely as
+        PyTorch's unfused loss in bf16 does (the logits in bf16, their softmax
+        in fp32).
 
         On the CPU the gradient of the decoder output reads copies of the
         weight with its classes contiguous, piece by piece (PyTorch computes
@@ -322,10 +446,14 @@ class TestChunkedCrossEntropy:
 
         expected_grads = torch.autograd.grad(expected, [x, w, b])
 
-        param_dtype = torch.bfloat16 if bf16 == "params" else torch.float32
+        param_dtype = torch.float32 if bf16 == "autocast" else torch.bfloat16
+
+        frozen = bf16 == "frozen_params"
 
         def bf16_grads(fused: bool) -> list[Tensor]:
             x, proj = _copy_to_projection(fp32_values, param_dtype)
+
+            proj.requires_grad_(not frozen)
 
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16 == "autocast"):
                 if fused:
@@ -334,7 +462,8 @@ class TestChunkedCrossEntropy:
                 else:
                     loss = cross_entropy(proj(x).float(), targets, None)
 
-            grads = torch.autograd.grad(loss, [x, proj.weight, proj.bias])
+            # A frozen head has no gradients.
+            grads = torch.autograd.grad(loss, [x, proj.weight, proj.bias][: 1 if frozen else 3])
 
             for name, grad in zip(["decoder_output", "weight", "bias"], grads):
                 assert grad.dtype == param_dtype, f"{name}: gradient of dtype {grad.dtype}"
@@ -348,7 +477,8 @@ class TestChunkedCrossEntropy:
         # over the tokens whose entries cancel, so it is one row. Measured:
         # the plain loss's worst rows are off by 0.0069 (decoder output),
         # 0.032 (weight) and 0.0027 (bias) of their norms, ours by 0.0065 to
-        # 0.0066, 0.032 and 0.0023 to 0.0026.
+        # 0.0066, 0.032 and 0.0023 to 0.0026 (frozen: 0.0063 for the decoder
+        # output).
         for name, e, plain, actual in zip(["decoder_output", "weight", "bias"], expected_grads, plain_grads, actual_grads):
             if name == "bias":
                 e, plain, actual = e.unsqueeze(0), plain.unsqueeze(0), actual.unsqueeze(0)
