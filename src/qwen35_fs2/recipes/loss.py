@@ -12,8 +12,8 @@ entropy run piece by piece, so that peak memory is the logits of
   two ways:
 
   - where the gradients come out as exactly (fp32, a frozen projection as
-    LoRA trains it, or all tokens in one chunk; never fp16, never under
-    ``torch.compile``), the pieces are chunks of tokens, each with all
+    LoRA trains it without autocast, or all tokens in one chunk; never fp16,
+    never under ``torch.compile``), the pieces are chunks of tokens, each with all
     classes, and the forward pass computes the gradients too: the logits
     once, three products of the projection's size. What it keeps for the
     backward pass is the gradients themselves, which the other way
@@ -156,6 +156,8 @@ def chunked_cross_entropy(
             # Under autocast, the projection runs in the autocast dtype.
             compute_dtype = autocast_dtype(flat_output)
 
+            loss: Tensor
+
             if _gradients_in_forward(flat_targets.size(0), chunk_size, weight, compute_dtype):
                 loss = _LinearCrossEntropyWithForwardGrads.apply(  # type: ignore[no-untyped-call]
                     flat_output,
@@ -173,7 +175,7 @@ def chunked_cross_entropy(
 
             block_size = _class_block_size(flat_targets.size(0), weight.size(0), chunk_size)
 
-            loss: Tensor = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
+            loss = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
                 flat_output,
                 weight,
                 bias,
@@ -464,20 +466,24 @@ def _gradients_in_forward(
       before they are rounded;
     - not under ``torch.compile``: the loop over chunks of tokens would
       specialize the graph on the token count (see :func:`_class_block_size`);
-    - the weight's gradient, if needed, must be what one GEMM gives: with
-      more than one chunk of tokens it is summed over the chunks, exactly
-      only in place in fp32 (a bf16 weight, or bf16 products of an fp32
-      weight under autocast, would round each chunk's part).
+    - with more than one chunk of tokens, the weight must be in the compute
+      dtype (under autocast, a cast copy of the whole weight would be held
+      through the chunks, where the other path casts a block at a time), and
+      its gradient, if needed, is summed over the chunks, exactly only in
+      place in fp32 (a bf16 one would be rounded once per chunk).
 
     Frozen LM heads (LoRA) qualify in bf16 as in fp32.
     """
     if compute_dtype == torch.float16 or torch.compiler.is_compiling():
         return False
 
-    if not weight.requires_grad or num_tokens <= chunk_size:
+    if num_tokens <= chunk_size:
         return True
 
-    return weight.dtype == torch.float32 and compute_dtype == torch.float32
+    if weight.dtype != compute_dtype:
+        return False
+
+    return not weight.requires_grad or weight.dtype == torch.float32
 
 
 class _LinearCrossEntropyWithForwardGrads(torch.autograd.Function):
@@ -520,7 +526,7 @@ class _LinearCrossEntropyWithForwardGrads(torch.autograd.Function):
 
         compute_inputs = inputs.to(compute_dtype)
 
-        # Cast once for all chunks, as autocast casts the weight of a linear.
+        # A copy under autocast, in one chunk only (see `_gradients_in_forward`).
         compute_weight = weight.to(compute_dtype)
 
         input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None

@@ -264,17 +264,19 @@ class TestChunkedCrossEntropy:
             # gradient of the decoder output.
             (torch.float32, False, True, 16, 2),
             (torch.bfloat16, False, True, 16, 2),
-            # The logits twice, in both passes: a bf16 weight gradient (or
-            # bf16 parts of an fp32 one) would be rounded once per chunk,
-            # and fp16 needs the loss scale before the rounding.
+            # The logits twice, in both passes: a bf16 weight gradient would
+            # be rounded once per chunk, autocast would hold a bf16 copy of
+            # the whole weight through the chunks, and fp16 needs the loss
+            # scale before the rounding.
             (torch.bfloat16, False, False, 16, 4),
             (torch.float32, True, False, 16, 4),
+            (torch.float32, True, True, 16, 3),
             (torch.float16, False, False, 64, 4),
             (torch.float16, False, True, 16, 3),
         ],
         ids=[
             "fp32", "bf16-one_chunk", "autocast-one_chunk", "fp32-frozen", "bf16-frozen",
-            "bf16", "autocast", "fp16-one_chunk", "fp16-frozen",
+            "bf16", "autocast", "autocast-frozen", "fp16-one_chunk", "fp16-frozen",
         ],
     )  # fmt: skip
     def test_computes_the_logits_once_where_the_gradients_come_out_as_exactly(
