@@ -92,6 +92,29 @@ def _naive_moe(block: Qwen35MoeBlock, seqs: Tensor) -> Tensor:
     return torch.stack(outputs).view(seqs.shape)
 
 
+def _grads_of_experts_one_by_one(
+    experts: RoutedExperts, seqs: Tensor, group_sizes: list[int], cotangent: Tensor
+) -> dict[str, Tensor]:
+    """The gradients of ``seqs`` ("seqs") and of the stacked weights of
+    ``experts`` on ``seqs`` sorted by expert, from autograd over one SwiGLU
+    expert at a time."""
+    seqs = seqs.clone().requires_grad_()
+
+    gate_inner_proj = experts.gate_inner_proj.detach().clone().requires_grad_()
+    output_proj = experts.output_proj.detach().clone().requires_grad_()
+
+    outputs = []
+
+    for expert_idx, rows in enumerate(seqs.split(group_sizes)):
+        gate, inner = (rows @ gate_inner_proj[expert_idx].t()).chunk(2, dim=-1)
+
+        outputs.append((F.silu(gate) * inner) @ output_proj[expert_idx].t())
+
+    torch.autograd.backward((torch.cat(outputs) * cotangent).sum())
+
+    return {"seqs": seqs.grad, "gate_inner_proj": gate_inner_proj.grad, "output_proj": output_proj.grad}
+
+
 def _grads(module: torch.nn.Module) -> dict[str, Tensor]:
     # Without the prefix that activation-checkpoint wrappers add.
     return {
@@ -333,6 +356,43 @@ class TestRoutedExperts:
 
         for name, grad in _grads(looped).items():
             torch.testing.assert_close(_grads(batched)[name], grad, msg=name)
+
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_leaves_no_uninitialized_memory_in_outputs_or_gradients(
+        self, dispatch: ExpertDispatch, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # The fallbacks allocate outputs and weight gradients uninitialized
+        # and write what they compute into them; experts without tokens must
+        # still get zero gradients. Freshly allocated memory is often zero by
+        # chance, so here every `empty_like` and `new_empty` holds NaN.
+        torch.manual_seed(0)
+
+        experts = RoutedExperts(5, MODEL_DIM, 8, dispatch=dispatch, init_fn=_normal)
+
+        tokens_per_expert = torch.tensor([3, 0, 7, 1, 0])
+
+        seqs = torch.randn(11, MODEL_DIM, requires_grad=True)
+
+        cotangent = torch.randn(11, MODEL_DIM)
+
+        empty_like, new_empty = torch.empty_like, Tensor.new_empty
+
+        monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(torch.nan))
+        monkeypatch.setattr(Tensor, "new_empty", lambda *args, **kwargs: new_empty(*args, **kwargs).fill_(torch.nan))
+
+        torch.autograd.backward((experts(seqs, tokens_per_expert) * cotangent).sum())
+
+        monkeypatch.undo()
+
+        # The same in plain autograd, one expert at a time.
+        expected = _grads_of_experts_one_by_one(experts, seqs.detach(), tokens_per_expert.tolist(), cotangent)
+
+        torch.testing.assert_close(seqs.grad, expected.pop("seqs"))
+
+        for name, grad in _grads(experts).items():
+            torch.testing.assert_close(grad, expected[name], msg=name)
+
+        assert _grads(experts)["gate_inner_proj"][[1, 4]].eq(0).all()
 
     @pytest.mark.parametrize("dispatch", ["batched", "loop"])
     def test_operator_matches_the_eager_path(self, dispatch: ExpertDispatch) -> None:
