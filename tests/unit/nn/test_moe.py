@@ -95,9 +95,9 @@ def _naive_moe(block: Qwen35MoeBlock, seqs: Tensor) -> Tensor:
 def _grads_of_experts_one_by_one(
     experts: RoutedExperts, seqs: Tensor, group_sizes: list[int], cotangent: Tensor
 ) -> dict[str, Tensor]:
-    """The gradients of ``seqs`` ("seqs") and of the stacked weights of
-    ``experts`` on ``seqs`` sorted by expert, from autograd over one SwiGLU
-    expert at a time."""
+    """The output ("output") of ``experts`` on ``seqs`` sorted by expert,
+    and the gradients of ``seqs`` ("seqs") and of the stacked weights, from
+    autograd over one SwiGLU expert at a time."""
     seqs = seqs.clone().requires_grad_()
 
     gate_inner_proj = experts.gate_inner_proj.detach().clone().requires_grad_()
@@ -110,9 +110,16 @@ def _grads_of_experts_one_by_one(
 
         outputs.append((F.silu(gate) * inner) @ output_proj[expert_idx].t())
 
-    torch.autograd.backward((torch.cat(outputs) * cotangent).sum())
+    output = torch.cat(outputs)
 
-    return {"seqs": seqs.grad, "gate_inner_proj": gate_inner_proj.grad, "output_proj": output_proj.grad}
+    torch.autograd.backward((output * cotangent).sum())
+
+    return {
+        "output": output.detach(),
+        "seqs": seqs.grad,
+        "gate_inner_proj": gate_inner_proj.grad,
+        "output_proj": output_proj.grad,
+    }
 
 
 def _grads(module: torch.nn.Module) -> dict[str, Tensor]:
@@ -380,19 +387,28 @@ class TestRoutedExperts:
         monkeypatch.setattr(torch, "empty_like", lambda *args, **kwargs: empty_like(*args, **kwargs).fill_(torch.nan))
         monkeypatch.setattr(Tensor, "new_empty", lambda *args, **kwargs: new_empty(*args, **kwargs).fill_(torch.nan))
 
-        torch.autograd.backward((experts(seqs, tokens_per_expert) * cotangent).sum())
+        output = experts(seqs, tokens_per_expert)
+
+        torch.autograd.backward((output * cotangent).sum())
 
         monkeypatch.undo()
 
         # The same in plain autograd, one expert at a time.
         expected = _grads_of_experts_one_by_one(experts, seqs.detach(), tokens_per_expert.tolist(), cotangent)
 
+        torch.testing.assert_close(output.detach(), expected.pop("output"))
+
         torch.testing.assert_close(seqs.grad, expected.pop("seqs"))
 
-        for name, grad in _grads(experts).items():
+        grads = _grads(experts)
+
+        assert grads.keys() == expected.keys()
+
+        for name, grad in grads.items():
             torch.testing.assert_close(grad, expected[name], msg=name)
 
-        assert _grads(experts)["gate_inner_proj"][[1, 4]].eq(0).all()
+            # Experts 1 and 4 got no tokens.
+            assert grad[[1, 4]].eq(0).all(), name
 
     @pytest.mark.parametrize("dispatch", ["batched", "loop"])
     def test_operator_matches_the_eager_path(self, dispatch: ExpertDispatch) -> None:
