@@ -27,7 +27,9 @@ entropy run piece by piece, so that peak memory is the logits of
     between the passes, and the weight's gradient is written in place,
     block by block, without an fp32 copy, at the cost of one more product
     of the projection's size (the logits twice); see
-    ``docs/performance.md``;
+    ``docs/performance.md``. Under ``torch.compile`` this way runs as an
+    operator, opaque to the graph, whose tracing would otherwise keep the
+    forward pass's logits for the backward pass;
 - otherwise the pieces are chunks of tokens, each checkpointed: its logits
   are freed after the forward pass and recomputed, one chunk at a time, in
   the backward pass.
@@ -68,6 +70,7 @@ from qwen35_fs2.nn.mtp import (
     shift_mtp_targets,
 )
 from qwen35_fs2.ops.autocast import autocast_dtype, autocast_free
+from qwen35_fs2.ops.operator_outputs import empty_output, output_grad
 
 MtpLossMode: TypeAlias = Literal["off", "eval", "train"]
 """When the loss of a model's MTP head is computed: never, in evaluation
@@ -139,8 +142,8 @@ def chunked_cross_entropy(
 
     # Without gradients, the chunks below are cheaper (nothing to keep for a
     # backward pass); but under `torch.compile` their loop over the tokens
-    # specializes the graph on the token count, which the fused function's
-    # loop over class blocks does not (see `_class_block_size`).
+    # specializes the graph on the token count, which the fused operator's
+    # loops, inside it, do not (see `_fused_linear_cross_entropy`).
     if reduction != "none" and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
         proj_params = _get_plain_projection_params(final_proj)
 
@@ -173,18 +176,15 @@ def chunked_cross_entropy(
 
                 return loss
 
-            block_size = _class_block_size(flat_targets.size(0), weight.size(0), chunk_size)
+            if torch.compiler.is_compiling():
+                loss, _, _ = _fused_linear_cross_entropy(
+                    flat_output, weight, bias, flat_targets, target_weights, compute_dtype, label_smoothing, chunk_size
+                )
+
+                return loss
 
             loss = _FusedLinearCrossEntropy.apply(  # type: ignore[no-untyped-call]
-                flat_output,
-                weight,
-                bias,
-                flat_targets,
-                target_weights,
-                compute_dtype,
-                label_smoothing,
-                block_size,
-                chunk_size * weight.size(0),
+                flat_output, weight, bias, flat_targets, target_weights, compute_dtype, label_smoothing, chunk_size
             )
 
             return loss
@@ -324,130 +324,310 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         target_weights: Tensor,
         compute_dtype: torch.dtype,
         label_smoothing: float,
-        block_size: int,
-        max_block_numel: int,
+        chunk_size: int,
     ) -> Tensor:
-        num_classes = weight.size(0)
-
-        _check_targets(targets, num_classes)
-
-        # Each token's log-sum-exp, kept as ``max + log(sum)`` (as
-        # `log_softmax` computes it): the backward pass subtracts the two in
-        # turn, which leaves the log-probabilities exact to a few of their
-        # own ulps instead of those of the logits.
-        max_logits = torch.full_like(target_weights, -math.inf)
-
-        sum_exps = torch.zeros_like(target_weights)
-
-        target_logits = torch.zeros_like(target_weights)
-
-        logit_sums = torch.zeros_like(target_weights)
-
-        compute_inputs = inputs.to(compute_dtype)
-
-        for begin in range(0, num_classes, block_size):
-            _, logits, block_targets, in_block = _block_logits(
-                compute_inputs, weight, bias, targets, begin, block_size
-            )
-
-            block_target_logits = logits.gather(-1, block_targets).squeeze(-1)
-
-            target_logits = torch.where(in_block, block_target_logits, target_logits)
-
-            if label_smoothing > 0.0:
-                logit_sums += logits.sum(-1)
-
-            new_max_logits = torch.maximum(max_logits, logits.amax(-1))
-
-            sum_exps = sum_exps * (max_logits - new_max_logits).exp()
-
-            sum_exps += logits.sub_(new_max_logits.unsqueeze(-1)).exp_().sum(-1)
-
-            max_logits = new_max_logits
-
-            # Frees the block before the next one is computed.
-            del logits
-
-        log_sum_exps = sum_exps.log()
-
-        token_loss = _token_losses(
-            max_logits, log_sum_exps, target_logits, logit_sums, num_classes, label_smoothing
+        loss, max_logits, log_sum_exps = _fused_forward(
+            inputs, weight, bias, targets, target_weights, compute_dtype, label_smoothing, chunk_size
         )
 
         ctx.save_for_backward(inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps)
 
         ctx.compute_dtype = compute_dtype
         ctx.label_smoothing = label_smoothing
-        ctx.block_size = block_size
-        ctx.max_block_numel = max_block_numel
+        ctx.chunk_size = chunk_size
 
-        return (token_loss * target_weights).sum()
+        return loss
 
     @staticmethod
     @autocast_free
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps = ctx.saved_tensors
+        grads = _fused_backward(
+            grad_output, *ctx.saved_tensors, ctx.compute_dtype, ctx.label_smoothing, ctx.chunk_size,
+            *ctx.needs_input_grad[:3],
+        )  # fmt: skip
 
-        need_input_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
+        return *grads, None, None, None, None, None
 
-        num_classes = weight.size(0)
 
-        # Scales each token's logit gradient in fp32, before any rounding.
-        # *Shape:* (N, 1)
-        token_scales = (target_weights * grad_output).unsqueeze(-1)
+def _fused_forward(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward pass of :class:`_FusedLinearCrossEntropy`.
 
-        max_logits, log_sum_exps = max_logits.unsqueeze(-1), log_sum_exps.unsqueeze(-1)
+    :returns: The loss, and each token's log-sum-exp as its maximum logit and
+        the log of its sum of exponentials, which the backward pass needs.
+    """
+    num_classes = weight.size(0)
 
-        compute_inputs = inputs.to(ctx.compute_dtype)
+    _check_targets(targets, num_classes)
 
-        input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
+    block_size = _class_block_size(targets.size(0), num_classes, chunk_size)
 
-        weight_grad = torch.empty_like(weight) if need_weight_grad else None
+    # Each token's log-sum-exp, kept as ``max + log(sum)`` (as
+    # `log_softmax` computes it): the backward pass subtracts the two in
+    # turn, which leaves the log-probabilities exact to a few of their
+    # own ulps instead of those of the logits.
+    max_logits = torch.full_like(target_weights, -math.inf)
 
-        bias_grad = torch.empty_like(bias) if need_bias_grad else None
+    sum_exps = torch.zeros_like(target_weights)
 
-        for begin in range(0, num_classes, ctx.block_size):
-            block_weight, logits, block_targets, in_block = _block_logits(
-                compute_inputs, weight, bias, targets, begin, ctx.block_size
-            )
+    target_logits = torch.zeros_like(target_weights)
 
-            end = begin + block_weight.size(0)
+    logit_sums = torch.zeros_like(target_weights)
 
-            # The gradient of the loss with respect to the block's logits, in
-            # place of them.
-            grad = _logit_grads_(
-                logits.sub_(max_logits).sub_(log_sum_exps).exp_(),
-                block_targets,
-                in_block,
-                token_scales,
-                ctx.label_smoothing,
-                num_classes,
-            )
+    compute_inputs = inputs.to(compute_dtype)
 
-            if bias_grad is not None:
-                bias_grad[begin:end] = grad.sum(0)
+    for begin in range(0, num_classes, block_size):
+        _, logits, block_targets, in_block = _block_logits(
+            compute_inputs, weight, bias, targets, begin, block_size
+        )
 
-            grad = grad.to(ctx.compute_dtype)
+        block_target_logits = logits.gather(-1, block_targets).squeeze(-1)
 
-            if weight_grad is not None:
-                # An fp32 weight under autocast takes the block's gradient
-                # through a copy in the compute dtype.
-                if weight_grad.dtype == grad.dtype:
-                    torch.mm(grad.t(), compute_inputs, out=weight_grad[begin:end])
-                else:
-                    weight_grad[begin:end] = grad.t() @ compute_inputs
+        target_logits = torch.where(in_block, block_target_logits, target_logits)
 
-            if input_grad is not None:
-                _add_input_grad(input_grad, grad, block_weight, ctx.max_block_numel)
+        if label_smoothing > 0.0:
+            logit_sums += logits.sum(-1)
 
-            # Frees the block before the next one is computed.
-            del grad, logits
+        new_max_logits = torch.maximum(max_logits, logits.amax(-1))
+
+        sum_exps = sum_exps * (max_logits - new_max_logits).exp()
+
+        sum_exps += logits.sub_(new_max_logits.unsqueeze(-1)).exp_().sum(-1)
+
+        max_logits = new_max_logits
+
+        # Frees the block before the next one is computed.
+        del logits
+
+    log_sum_exps = sum_exps.log()
+
+    token_loss = _token_losses(
+        max_logits, log_sum_exps, target_logits, logit_sums, num_classes, label_smoothing
+    )
+
+    return (token_loss * target_weights).sum(), max_logits, log_sum_exps
+
+
+def _fused_backward(
+    grad_output: Tensor,
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    max_logits: Tensor,
+    log_sum_exps: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The backward pass of :class:`_FusedLinearCrossEntropy`, which
+    recomputes the logits block by block.
+
+    :returns: The gradients of ``inputs``, ``weight`` and ``bias``, ``None``
+        for those not needed.
+    """
+    num_classes = weight.size(0)
+
+    block_size = _class_block_size(targets.size(0), num_classes, chunk_size)
+
+    # Scales each token's logit gradient in fp32, before any rounding.
+    # *Shape:* (N, 1)
+    token_scales = (target_weights * grad_output).unsqueeze(-1)
+
+    max_logits, log_sum_exps = max_logits.unsqueeze(-1), log_sum_exps.unsqueeze(-1)
+
+    compute_inputs = inputs.to(compute_dtype)
+
+    input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
+
+    weight_grad = torch.empty_like(weight) if need_weight_grad else None
+
+    bias_grad = torch.empty_like(bias) if need_bias_grad else None
+
+    for begin in range(0, num_classes, block_size):
+        block_weight, logits, block_targets, in_block = _block_logits(
+            compute_inputs, weight, bias, targets, begin, block_size
+        )
+
+        end = begin + block_weight.size(0)
+
+        # The gradient of the loss with respect to the block's logits, in
+        # place of them.
+        grad = _logit_grads_(
+            logits.sub_(max_logits).sub_(log_sum_exps).exp_(),
+            block_targets,
+            in_block,
+            token_scales,
+            label_smoothing,
+            num_classes,
+        )
+
+        if bias_grad is not None:
+            bias_grad[begin:end] = grad.sum(0)
+
+        grad = grad.to(compute_dtype)
+
+        if weight_grad is not None:
+            # An fp32 weight under autocast takes the block's gradient
+            # through a copy in the compute dtype.
+            if weight_grad.dtype == grad.dtype:
+                torch.mm(grad.t(), compute_inputs, out=weight_grad[begin:end])
+            else:
+                weight_grad[begin:end] = grad.t() @ compute_inputs
 
         if input_grad is not None:
-            input_grad = input_grad.to(inputs.dtype)
+            _add_input_grad(input_grad, grad, block_weight, chunk_size * num_classes)
 
-        return input_grad, weight_grad, bias_grad, None, None, None, None, None, None
+        # Frees the block before the next one is computed.
+        del grad, logits
+
+    if input_grad is not None:
+        input_grad = input_grad.to(inputs.dtype)
+
+    return input_grad, weight_grad, bias_grad
+
+
+@torch.library.custom_op("qwen35_fs2::fused_linear_cross_entropy", mutates_args=())
+@autocast_free
+def _fused_linear_cross_entropy(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:class:`_FusedLinearCrossEntropy` as an operator, for
+    ``torch.compile``.
+
+    Traced, the function's backward pass recomputes the forward pass's
+    logits with the same operations on the same inputs: AOTAutograd merges
+    the two (common subexpressions of the joint graph) and keeps every block
+    of logits from the forward pass to the backward pass, all ``N x V`` of
+    them, the memory this loss exists to avoid (1.9 GiB in bf16 for 4,096
+    tokens of Qwen3.5's vocabulary). Opaque, the operator keeps what the
+    function keeps, and its loops over the class blocks stay out of the
+    graph, so that the blocks are those of eager mode for every token count.
+
+    :returns: The loss, and the per-token maximum logits and log-sums of
+        exponentials that the backward operator needs.
+    """
+    return _fused_forward(
+        inputs, weight, bias, targets, target_weights, compute_dtype, label_smoothing, chunk_size
+    )
+
+
+@_fused_linear_cross_entropy.register_fake
+def _(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return target_weights.new_empty(()), torch.empty_like(target_weights), torch.empty_like(target_weights)
+
+
+@torch.library.custom_op("qwen35_fs2::fused_linear_cross_entropy_backward", mutates_args=())
+@autocast_free
+def _fused_linear_cross_entropy_backward(
+    grad_output: Tensor,
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    max_logits: Tensor,
+    log_sum_exps: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward pass of ``qwen35_fs2::fused_linear_cross_entropy``: the
+    gradients of ``inputs``, ``weight`` and ``bias``, each empty if not
+    needed."""
+    grads = _fused_backward(
+        grad_output, inputs, weight, bias, targets, target_weights, max_logits, log_sum_exps,
+        compute_dtype, label_smoothing, chunk_size, need_input_grad, need_weight_grad, need_bias_grad,
+    )  # fmt: skip
+
+    return tuple(empty_output(inputs) if grad is None else grad for grad in grads)  # type: ignore[return-value]
+
+
+@_fused_linear_cross_entropy_backward.register_fake
+def _(
+    grad_output: Tensor,
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    max_logits: Tensor,
+    log_sum_exps: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    grads = ((inputs, need_input_grad), (weight, need_weight_grad), (bias, need_bias_grad))
+
+    return tuple(  # type: ignore[return-value]
+        torch.empty_like(t) if need and t is not None else empty_output(inputs) for t, need in grads
+    )
+
+
+def _setup_fused_linear_cross_entropy_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, ...]) -> None:
+    x, weight, bias, targets, target_weights, compute_dtype, label_smoothing, chunk_size = inputs
+
+    _, max_logits, log_sum_exps = output
+
+    # Kept for the backward pass, not results.
+    ctx.mark_non_differentiable(max_logits, log_sum_exps)
+
+    ctx.save_for_backward(x, weight, bias, targets, target_weights, max_logits, log_sum_exps)
+
+    ctx.compute_dtype = compute_dtype
+    ctx.label_smoothing = label_smoothing
+    ctx.chunk_size = chunk_size
+
+
+def _fused_linear_cross_entropy_autograd(
+    ctx: Any, grad_output: Tensor, *_: Tensor
+) -> tuple[Tensor | None, ...]:
+    grads = torch.ops.qwen35_fs2.fused_linear_cross_entropy_backward(
+        grad_output, *ctx.saved_tensors, ctx.compute_dtype, ctx.label_smoothing, ctx.chunk_size,
+        *ctx.needs_input_grad[:3],
+    )  # fmt: skip
+
+    return *(output_grad(grad) for grad in grads), None, None, None, None, None
+
+
+_fused_linear_cross_entropy.register_autograd(
+    _fused_linear_cross_entropy_autograd, setup_context=_setup_fused_linear_cross_entropy_context
+)
 
 
 def _gradients_in_forward(
@@ -464,8 +644,9 @@ def _gradients_in_forward(
     - not in fp16: the loss scale arrives in the backward pass, and the
       probabilities of a large vocabulary underflow in fp16 unless scaled
       before they are rounded;
-    - not under ``torch.compile``: the loop over chunks of tokens would
-      specialize the graph on the token count (see :func:`_class_block_size`);
+    - not under ``torch.compile``: traced, the loop over chunks of tokens
+      would specialize the graph on the token count (the other way runs
+      there as an operator, see :func:`_fused_linear_cross_entropy`);
     - with more than one chunk of tokens, the weight must be in the compute
       dtype (under autocast, a cast copy of the whole weight would be held
       through the chunks, where the other path casts a block at a time), and
@@ -696,25 +877,9 @@ def _logit_grads_(
 
 def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int:
     """Returns the number of classes whose logits for ``num_tokens`` tokens
-    are at most as many as all the logits of ``chunk_size`` tokens.
-
-    Under ``torch.compile``, the loop over the blocks is unrolled in the
-    graph, and a block size computed from the token count would specialize
-    the graph on every count (each packed batch has its own): past
-    ``chunk_size``, it is computed from the next ``chunk_size * 2^k``
-    instead, so that the graph changes only when the count crosses one (the
-    blocks are then smaller than needed, never larger).
-    """
+    are at most as many as all the logits of ``chunk_size`` tokens."""
     if num_tokens <= chunk_size:
         return num_classes
-
-    if torch.compiler.is_compiling():
-        bound = chunk_size
-
-        while bound < num_tokens:
-            bound *= 2
-
-        num_tokens = bound
 
     return max(1, chunk_size * num_classes // num_tokens)
 
