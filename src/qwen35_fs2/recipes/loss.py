@@ -12,10 +12,11 @@ entropy run piece by piece, so that peak memory is the logits of
   two ways:
 
   - where the gradients come out as exactly (fp32, a frozen projection as
-    LoRA trains it without autocast, or all tokens in one chunk; never fp16,
-    never under ``torch.compile``), the pieces are chunks of tokens, each with all
-    classes, and the forward pass computes the gradients too: the logits
-    once, three products of the projection's size. What it keeps for the
+    LoRA trains it without autocast, or all tokens in one chunk; never fp16;
+    under ``torch.compile`` only a frozen projection, as an operator), the
+    pieces are chunks of tokens, each with all classes, and the forward pass
+    computes the gradients too: the logits once, three products of the
+    projection's size (two for a frozen one). What it keeps for the
     backward pass is the gradients themselves, which the other way
     allocates as its backward pass starts;
   - otherwise the pieces are blocks of classes, each over all tokens. The
@@ -161,17 +162,16 @@ def chunked_cross_entropy(
 
             loss: Tensor
 
-            if _gradients_in_forward(flat_targets.size(0), chunk_size, weight, compute_dtype):
+            if _gradients_in_forward(flat_targets.size(0), chunk_size, weight, bias, compute_dtype):
+                if torch.compiler.is_compiling():
+                    loss, _ = _frozen_linear_cross_entropy(
+                        flat_output, weight, bias, flat_targets, target_weights, compute_dtype, label_smoothing, chunk_size
+                    )
+
+                    return loss
+
                 loss = _LinearCrossEntropyWithForwardGrads.apply(  # type: ignore[no-untyped-call]
-                    flat_output,
-                    weight,
-                    bias,
-                    flat_targets,
-                    target_weights,
-                    compute_dtype,
-                    label_smoothing,
-                    chunk_size,
-                    chunk_size * weight.size(0),
+                    flat_output, weight, bias, flat_targets, target_weights, compute_dtype, label_smoothing, chunk_size
                 )
 
                 return loss
@@ -631,7 +631,7 @@ _fused_linear_cross_entropy.register_autograd(
 
 
 def _gradients_in_forward(
-    num_tokens: int, chunk_size: int, weight: Tensor, compute_dtype: torch.dtype
+    num_tokens: int, chunk_size: int, weight: Tensor, bias: Tensor | None, compute_dtype: torch.dtype
 ) -> bool:
     """Whether the fused loss computes its gradients in its forward pass
     (:class:`_LinearCrossEntropyWithForwardGrads`: the logits once, three
@@ -644,19 +644,28 @@ def _gradients_in_forward(
     - not in fp16: the loss scale arrives in the backward pass, and the
       probabilities of a large vocabulary underflow in fp16 unless scaled
       before they are rounded;
-    - not under ``torch.compile``: traced, the loop over chunks of tokens
-      would specialize the graph on the token count (the other way runs
-      there as an operator, see :func:`_fused_linear_cross_entropy`);
     - with more than one chunk of tokens, the weight must be in the compute
       dtype (under autocast, a cast copy of the whole weight would be held
       through the chunks, where the other path casts a block at a time), and
       its gradient, if needed, is summed over the chunks, exactly only in
-      place in fp32 (a bf16 one would be rounded once per chunk).
+      place in fp32 (a bf16 one would be rounded once per chunk);
+    - under ``torch.compile``, only for a frozen projection in the compute
+      dtype with gradients enabled, whatever the token count, as the
+      operator :func:`_frozen_linear_cross_entropy`: traced, the loop over
+      chunks of tokens would specialize the graph on the token count, and an
+      operator cannot scale its saved gradients in place, so that a weight
+      gradient would be held twice as the backward pass starts (without
+      gradients, as in validation, the other way computes the logits once).
 
     Frozen LM heads (LoRA) qualify in bf16 as in fp32.
     """
-    if compute_dtype == torch.float16 or torch.compiler.is_compiling():
+    if compute_dtype == torch.float16:
         return False
+
+    if torch.compiler.is_compiling():
+        frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+
+        return frozen and weight.dtype == compute_dtype and torch.is_grad_enabled()
 
     if num_tokens <= chunk_size:
         return True
@@ -697,81 +706,11 @@ class _LinearCrossEntropyWithForwardGrads(torch.autograd.Function):
         compute_dtype: torch.dtype,
         label_smoothing: float,
         chunk_size: int,
-        max_block_numel: int,
     ) -> Tensor:
-        need_input_grad, need_weight_grad, need_bias_grad = ctx.needs_input_grad[:3]
-
-        num_classes = weight.size(0)
-
-        _check_targets(targets, num_classes)
-
-        compute_inputs = inputs.to(compute_dtype)
-
-        # A copy under autocast, in one chunk only (see `_gradients_in_forward`).
-        compute_weight = weight.to(compute_dtype)
-
-        input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
-
-        weight_grad = torch.zeros_like(weight) if need_weight_grad else None
-
-        # Summed over the chunks in fp32, then cast.
-        bias_grad = torch.zeros_like(bias, dtype=torch.float32) if need_bias_grad else None  # type: ignore[arg-type]
-
-        loss = target_weights.new_zeros(())
-
-        for begin in range(0, targets.size(0), chunk_size):
-            end = begin + chunk_size
-
-            chunk_inputs = compute_inputs[begin:end]
-
-            _, logits, chunk_targets, in_block = _block_logits(
-                chunk_inputs, compute_weight, bias, targets[begin:end], 0, num_classes
-            )
-
-            target_logits = logits.gather(-1, chunk_targets)
-
-            logit_sums = logits.sum(-1, keepdim=True) if label_smoothing > 0.0 else None
-
-            max_logits = logits.amax(-1, keepdim=True)
-
-            # The probabilities, in place of the logits.
-            probs = logits.sub_(max_logits).exp_()
-
-            sum_exps = probs.sum(-1, keepdim=True)
-
-            token_loss = _token_losses(
-                max_logits, sum_exps.log(), target_logits, logit_sums, num_classes, label_smoothing
-            )
-
-            chunk_weights = target_weights[begin:end].unsqueeze(-1)
-
-            loss += (token_loss * chunk_weights).sum()
-
-            grad = _logit_grads_(
-                probs.div_(sum_exps), chunk_targets, in_block, chunk_weights, label_smoothing, num_classes
-            )
-
-            if bias_grad is not None:
-                bias_grad += grad.sum(0)
-
-            grad = grad.to(compute_dtype)
-
-            if weight_grad is not None:
-                if weight_grad.dtype == grad.dtype:
-                    torch.addmm(weight_grad, grad.t(), chunk_inputs, out=weight_grad)
-                else:
-                    # An fp32 weight under autocast, in one chunk (see
-                    # `_gradients_in_forward`).
-                    weight_grad += grad.t() @ chunk_inputs
-
-            if input_grad is not None:
-                _add_input_grad(input_grad[begin:end], grad, compute_weight, max_block_numel)
-
-            # Frees the chunk before the next one is computed.
-            del grad, logits, probs
-
-        if bias_grad is not None:
-            bias_grad = bias_grad.to(bias.dtype)  # type: ignore[union-attr]
+        loss, input_grad, weight_grad, bias_grad = _forward_grads(
+            inputs, weight, bias, targets, target_weights, compute_dtype, label_smoothing, chunk_size,
+            *ctx.needs_input_grad[:3],
+        )  # fmt: skip
 
         ctx.save_for_backward(input_grad, weight_grad, bias_grad)
 
@@ -805,7 +744,172 @@ class _LinearCrossEntropyWithForwardGrads(torch.autograd.Function):
         if bias_grad is not None:
             bias_grad.mul_(grad_output)
 
-        return input_grad, weight_grad, bias_grad, None, None, None, None, None, None
+        return input_grad, weight_grad, bias_grad, None, None, None, None, None
+
+
+def _forward_grads(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+    need_input_grad: bool,
+    need_weight_grad: bool,
+    need_bias_grad: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """The forward pass of :class:`_LinearCrossEntropyWithForwardGrads`.
+
+    :returns: The loss and the gradients of ``inputs`` (in fp32), ``weight``
+        and ``bias`` for a ``grad_output`` of 1, ``None`` for those not
+        needed.
+    """
+    num_classes = weight.size(0)
+
+    _check_targets(targets, num_classes)
+
+    compute_inputs = inputs.to(compute_dtype)
+
+    # A copy under autocast, in one chunk only (see `_gradients_in_forward`).
+    compute_weight = weight.to(compute_dtype)
+
+    input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
+
+    weight_grad = torch.zeros_like(weight) if need_weight_grad else None
+
+    # Summed over the chunks in fp32, then cast.
+    bias_grad = torch.zeros_like(bias, dtype=torch.float32) if need_bias_grad else None  # type: ignore[arg-type]
+
+    loss = target_weights.new_zeros(())
+
+    for begin in range(0, targets.size(0), chunk_size):
+        end = begin + chunk_size
+
+        chunk_inputs = compute_inputs[begin:end]
+
+        _, logits, chunk_targets, in_block = _block_logits(
+            chunk_inputs, compute_weight, bias, targets[begin:end], 0, num_classes
+        )
+
+        target_logits = logits.gather(-1, chunk_targets)
+
+        logit_sums = logits.sum(-1, keepdim=True) if label_smoothing > 0.0 else None
+
+        max_logits = logits.amax(-1, keepdim=True)
+
+        # The probabilities, in place of the logits.
+        probs = logits.sub_(max_logits).exp_()
+
+        sum_exps = probs.sum(-1, keepdim=True)
+
+        token_loss = _token_losses(
+            max_logits, sum_exps.log(), target_logits, logit_sums, num_classes, label_smoothing
+        )
+
+        chunk_weights = target_weights[begin:end].unsqueeze(-1)
+
+        loss += (token_loss * chunk_weights).sum()
+
+        grad = _logit_grads_(
+            probs.div_(sum_exps), chunk_targets, in_block, chunk_weights, label_smoothing, num_classes
+        )
+
+        if bias_grad is not None:
+            bias_grad += grad.sum(0)
+
+        grad = grad.to(compute_dtype)
+
+        if weight_grad is not None:
+            if weight_grad.dtype == grad.dtype:
+                torch.addmm(weight_grad, grad.t(), chunk_inputs, out=weight_grad)
+            else:
+                # An fp32 weight under autocast, in one chunk (see
+                # `_gradients_in_forward`).
+                weight_grad += grad.t() @ chunk_inputs
+
+        if input_grad is not None:
+            _add_input_grad(input_grad[begin:end], grad, compute_weight, chunk_size * num_classes)
+
+        # Frees the chunk before the next one is computed.
+        del grad, logits, probs
+
+    if bias_grad is not None:
+        bias_grad = bias_grad.to(bias.dtype)  # type: ignore[union-attr]
+
+    return loss, input_grad, weight_grad, bias_grad
+
+
+@torch.library.custom_op("qwen35_fs2::frozen_linear_cross_entropy", mutates_args=())
+@autocast_free
+def _frozen_linear_cross_entropy(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    """:class:`_LinearCrossEntropyWithForwardGrads` for a frozen projection
+    (LoRA) as an operator, for ``torch.compile``: the logits once, two
+    products of the projection's size, where the other way takes three.
+
+    :returns: The loss, and the fp32 gradient of ``inputs`` for a
+        ``grad_output`` of 1, which the backward pass scales.
+    """
+    loss, input_grad, _, _ = _forward_grads(
+        inputs, weight, bias, targets, target_weights, compute_dtype, label_smoothing, chunk_size,
+        True, False, False,
+    )  # fmt: skip
+
+    if input_grad is None:
+        raise InternalError("`_forward_grads()` returned no input gradient.")
+
+    return loss, input_grad
+
+
+@_frozen_linear_cross_entropy.register_fake
+def _(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    target_weights: Tensor,
+    compute_dtype: torch.dtype,
+    label_smoothing: float,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    return target_weights.new_empty(()), torch.empty_like(inputs, dtype=torch.float32)
+
+
+def _setup_frozen_linear_cross_entropy_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    _, input_grad = output
+
+    # Kept for the backward pass, not a result.
+    ctx.mark_non_differentiable(input_grad)
+
+    ctx.save_for_backward(input_grad)
+
+    ctx.input_dtype = inputs[0].dtype
+
+
+def _frozen_linear_cross_entropy_autograd(
+    ctx: Any, grad_output: Tensor, _: Tensor
+) -> tuple[Tensor | None, ...]:
+    if any(ctx.needs_input_grad[1:3]):
+        raise InternalError("The frozen LM-head loss got a projection that needs its gradient.")
+
+    input_grad, = ctx.saved_tensors
+
+    return (input_grad * grad_output).to(ctx.input_dtype), None, None, None, None, None, None, None
+
+
+_frozen_linear_cross_entropy.register_autograd(
+    _frozen_linear_cross_entropy_autograd, setup_context=_setup_frozen_linear_cross_entropy_context
+)
 
 
 def _smoothing_coeffs(label_smoothing: float, num_classes: int) -> tuple[float, float]:

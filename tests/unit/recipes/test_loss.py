@@ -309,12 +309,61 @@ class TestChunkedCrossEntropy:
         for name, a, e in zip(["decoder_output", "weight", "bias"], actual_grads, expected_grads):
             torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
+    @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-    def test_fused_operator_passes_opcheck(self, dtype: torch.dtype) -> None:
+    def test_compiled_frozen_projection_keeps_its_input_gradient_and_matches_eager(
+        self, dtype: torch.dtype, backend: str
+    ) -> None:
+        """A frozen LM head (LoRA) under ``torch.compile`` takes the
+        gradients computed in the forward pass, as eagerly (the logits once:
+        two products of its size, where the other way takes three): what the
+        loss keeps for the backward pass is the gradient of the decoder
+        output, and the results are eager mode's."""
+        fp32_output, fp32_proj, targets, target_mask = _make_inputs((64,))
+
+        assert fp32_proj.bias is not None
+
+        decoder_output, proj = _copy_to_projection(
+            [fp32_output.detach(), fp32_proj.weight.detach(), fp32_proj.bias.detach()], dtype
+        )
+
+        proj.requires_grad_(False)
+
+        def loss_fn(x: Tensor, targets: Tensor, target_mask: Tensor) -> Tensor:
+            return chunked_cross_entropy(x, proj, targets, None, target_mask=target_mask, chunk_size=8)
+
+        torch._dynamo.reset()
+
+        compiled_loss_fn = torch.compile(loss_fn, backend=backend, fullgraph=True)
+
+        loss, saved_shapes = _saved_shapes_beyond(
+            (decoder_output, proj.weight, targets), lambda: compiled_loss_fn(decoder_output, targets, target_mask)
+        )
+
+        large = [s for s in saved_shapes if math.prod(s) > targets.numel()]
+
+        assert large == [tuple(decoder_output.shape)], f"Saved tensors of shapes {large} for the backward pass."
+
+        loss.backward()
+
+        x = decoder_output.detach().requires_grad_()
+
+        expected = loss_fn(x, targets, target_mask)
+
+        expected.backward()
+
+        assert proj.weight.grad is None and proj.bias.grad is None  # type: ignore[union-attr]
+
+        torch.testing.assert_close(loss, expected)
+
+        torch.testing.assert_close(decoder_output.grad, x.grad)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+    def test_fused_operators_pass_opcheck(self, dtype: torch.dtype) -> None:
         """The schema, the fake implementation and the autograd
-        registration of ``qwen35_fs2::fused_linear_cross_entropy``, as
-        ``torch.compile`` relies on them, with and without a bias and label
-        smoothing."""
+        registration of ``qwen35_fs2::fused_linear_cross_entropy`` and
+        ``qwen35_fs2::frozen_linear_cross_entropy``, as ``torch.compile``
+        relies on them, with and without a bias and label smoothing."""
         decoder_output, proj, targets, target_mask = _make_inputs((29,))
 
         assert proj.bias is not None
@@ -328,6 +377,11 @@ class TestChunkedCrossEntropy:
             (x, weight, None, targets, target_weights, dtype, 0.0, 64),
         ):
             torch.library.opcheck(loss_module._fused_linear_cross_entropy, args)
+
+            # A frozen projection, as LoRA trains.
+            frozen_args = (args[0], args[1].detach(), None if args[2] is None else args[2].detach(), *args[3:])
+
+            torch.library.opcheck(loss_module._frozen_linear_cross_entropy, frozen_args)
 
     def test_compiled_does_not_recompile_for_new_token_counts(self) -> None:
         """Packed batches change their token count every step. The class
