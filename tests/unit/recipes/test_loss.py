@@ -93,7 +93,8 @@ def _copy_to_projection(fp32_values: list[Tensor], dtype: torch.dtype) -> tuple[
 def _saved_shapes_beyond(inputs: tuple[Tensor, ...], forward: Callable[[], Tensor]) -> tuple[Tensor, list[tuple[int, ...]]]:
     """Runs ``forward`` and returns its result and the shapes of the tensors
     it saved for the backward pass, but for those in the storage of
-    ``inputs``; fails if it saved none (the hooks did not run)."""
+    ``inputs`` (none excluded for ``()``); fails if it saved none (the hooks
+    did not run)."""
     storages = {t.untyped_storage().data_ptr() for t in inputs}
 
     saved_shapes: list[tuple[int, ...]] = []
@@ -206,17 +207,12 @@ class TestChunkedCrossEntropy:
         # Projections other than plain ones take the checkpointed path.
         final_proj = proj if path == "fused" else _WrappedProjection(proj)
 
-        saved_shapes: list[tuple[int, ...]] = []
-
-        def pack(tensor: Tensor) -> Tensor:
-            saved_shapes.append(tuple(tensor.shape))
-
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = chunked_cross_entropy(
+        loss, saved_shapes = _saved_shapes_beyond(
+            (),
+            lambda: chunked_cross_entropy(
                 decoder_output, final_proj, targets, None, target_mask=target_mask, chunk_size=8
-            )
+            ),
+        )
 
         logit_shapes = [s for s in saved_shapes if len(s) == 2 and s[-1] == VOCAB_SIZE]
 
