@@ -3,13 +3,18 @@
 Run by ``test_moe_distributed.py``, either under ``torchrun`` (each rank
 trains on its share of every batch; ``--wrap fsdp2`` or ``ddp``) or as one
 process (``--wrap none``) that accumulates the gradients of the same shares
-in turn: both minimise the same loss, so they must end with the same
-weights. The loss of a share is its summed next-token loss plus
-``AUX_LOSS_COEF`` times its load-balancing loss per target token, over the
-number of targets of the whole batch, as our recipes compute it.
+in turn: both minimise the same loss, so they must compute the same
+gradients and end with the same weights. The loss of a share is its summed
+next-token loss plus ``AUX_LOSS_COEF`` times its load-balancing loss per
+target token, over the number of targets of the whole batch, as our recipes
+compute it. AdamW's steps do not change when a parameter's gradients are all
+scaled alike, so the losses miss gradients reduced with the wrong scale (they
+did, with the two processes' gradients 1% too large), and the weights show
+it only through AdamW's epsilon, where gradients are tiny: the gradient norm
+of every parameter at every step is written too.
 
-Writes ``{"losses": [...], "expert_shard_sizes": [...]}`` and the final full
-state dict to ``--output-dir`` (rank 0).
+Writes ``{"losses": [...], "grad_norms": {name: [...]}, "expert_shard_sizes":
+[...]}`` and the final full state dict to ``--output-dir`` (rank 0).
 """
 
 from __future__ import annotations
@@ -88,6 +93,12 @@ def _share_loss(model: torch.nn.Module, seqs: Tensor, seq_lens: list[int], num_b
     return loss, nll.detach()
 
 
+def _plain_name(name: str) -> str:
+    """``name`` without what the DDP and activation checkpointing wrappers
+    add to it (their state dicts drop it too)."""
+    return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
 
@@ -136,6 +147,8 @@ def main() -> None:
 
     losses = []
 
+    grad_norms: dict[str, list[float]] = {}
+
     for shares in _batches(args.num_steps, config.vocab_size):
         num_batch_targets = sum(n - 1 for _, seq_lens in shares for n in seq_lens)
 
@@ -156,6 +169,15 @@ def main() -> None:
 
         if world_size > 1:
             torch.distributed.all_reduce(nll_sum)
+
+        for name, param in model.named_parameters():
+            grad = torch.zeros(()) if param.grad is None else param.grad
+
+            # Every rank gathers its shards (a collective).
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+
+            grad_norms.setdefault(_plain_name(name), []).append(grad.norm().item())
 
         optimizer.step()
 
@@ -179,7 +201,7 @@ def main() -> None:
         torch.save(state_dict, args.output_dir / "state_dict.pt")
 
         (args.output_dir / "result.json").write_text(
-            json.dumps({"losses": losses, "expert_shard_sizes": expert_shard_sizes})
+            json.dumps({"losses": losses, "grad_norms": grad_norms, "expert_shard_sizes": expert_shard_sizes})
         )
 
     if world_size > 1:

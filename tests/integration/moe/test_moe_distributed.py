@@ -65,6 +65,15 @@ def test_two_processes_train_like_one(
 
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]), rtol=1e-5, atol=1e-6)
 
+    grad_norms, expected_grad_norms = result["grad_norms"], expected["grad_norms"]
+
+    assert isinstance(grad_norms, dict) and isinstance(expected_grad_norms, dict)
+
+    assert grad_norms.keys() == expected_grad_norms.keys()
+
+    for name, norms in expected_grad_norms.items():
+        torch.testing.assert_close(torch.tensor(grad_norms[name]), torch.tensor(norms), rtol=1e-5, atol=1e-6, msg=name)
+
     state_dict = torch.load(tmp_path / "state_dict.pt")
 
     assert state_dict.keys() == expected_state_dict.keys()

@@ -75,6 +75,11 @@ def test_two_fsdp2_processes_train_like_one_accumulating_process(tmp_path: Path,
 
         assert fsdp[step]["Auxiliary Loss"] == pytest.approx(single[step]["Auxiliary Loss"], rel=1e-4), step
 
+        # The losses alone would miss gradients reduced over the processes
+        # with another scale (a sum for a mean): AdamW's steps and clipping
+        # do not change when all gradients are scaled alike.
+        assert fsdp[step]["Gradient Norm"] == pytest.approx(single[step]["Gradient Norm"], rel=1e-4), step
+
         # The loss is `E * sum_e f_e * P_e` (f_e: the assignments to expert
         # e per token, summing to top-k; P_e: its mean routing probability).
         # The router starts near uniform (weights of std 0.02) and moves

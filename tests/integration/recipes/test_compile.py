@@ -64,7 +64,11 @@ def test_compiled_packed_sft_matches_eager_and_stops_recompiling(tmp_path: Path)
     for step in range(1, NUM_STEPS + 1):
         rtol = EARLY_LOSS_RTOL if step <= VALIDATE_EVERY else LATE_LOSS_RTOL
 
-        assert compiled[step]["NLL Loss"] == pytest.approx(eager[step]["NLL Loss"], rel=rtol), step
+        # The gradients' norm too: AdamW's steps (and clipping) do not change
+        # when all gradients are scaled alike, so the losses alone miss a
+        # gradient that is, say, 1% too large.
+        for name in ("NLL Loss", "Gradient Norm"):
+            assert compiled[step][name] == pytest.approx(eager[step][name], rel=rtol), (step, name)
 
     eager_valid, compiled_valid = read_metrics(eager_dir, "valid"), read_metrics(compiled_dir, "valid")
 
