@@ -95,7 +95,7 @@ def _share_loss(model: torch.nn.Module, seqs: Tensor, seq_lens: list[int], num_b
 
 def _plain_name(name: str) -> str:
     """``name`` without what the DDP and activation checkpointing wrappers
-    add to it (their state dicts drop it too)."""
+    add to it (a state dict has only DDP's)."""
     return name.removeprefix("module.").replace("_checkpoint_wrapped_module.", "")
 
 
@@ -183,9 +183,8 @@ def main() -> None:
 
         losses.append(nll_sum.item() / num_batch_targets)
 
-    # Without the prefix of the DDP wrapper.
     state_dict = {
-        k.removeprefix("module."): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        _plain_name(k): (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
         for k, v in model.state_dict().items()
     }
 
