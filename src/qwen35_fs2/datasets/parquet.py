@@ -18,6 +18,8 @@ import pyarrow as pa  # type: ignore[import-untyped]
 import pyarrow.parquet as pq  # type: ignore[import-untyped]
 from fairseq2.datasets import DataReadError
 
+from qwen35_fs2.datasets.files import describe_mixed_splits, find_repeated_file
+
 HG_URI_PREFIX: Final = "hg://"
 """The prefix of Hugging Face Hub dataset URIs (``hg://org/dataset``)."""
 
@@ -57,8 +59,9 @@ def resolve_parquet_files(
     """Returns the parquet files of ``sources``, in order.
 
     :param sources: Parquet files, directories (searched recursively for
-        ``*.parquet``, sorted by path) and ``hg://org/dataset`` URIs of Hugging
-        Face Hub dataset repositories.
+        ``*.parquet``, sorted by path; their paths may name one split at
+        most, see :mod:`qwen35_fs2.datasets.files`) and ``hg://org/dataset``
+        URIs of Hugging Face Hub dataset repositories.
     :param hf_allow_patterns: The files of ``hg://`` repositories to download
         and read, as ``fnmatch`` patterns relative to the repository root, such
         as ``sample/10BT/*.parquet``. Required with ``hg://`` sources, so that
@@ -91,6 +94,12 @@ def resolve_parquet_files(
                     f"{path} must contain at least one *.parquet file, but contains none."
                 )
 
+            mixed_splits = describe_mixed_splits(path, dir_files)
+            if mixed_splits is not None:
+                raise ValueError(
+                    f"A directory source must hold the files of one split, but {path} holds {mixed_splits} instead. Name the split's directory or files."
+                )
+
             files.extend(dir_files)
         elif path.is_file():
             files.append(path)
@@ -99,16 +108,11 @@ def resolve_parquet_files(
                 f"Each source must be a parquet file, a directory or a hg:// URI, but {path} does not exist."
             )
 
-    seen: set[Path] = set()
-
-    for file in files:
-        resolved = file.resolve()
-        if resolved in seen:
-            raise ValueError(
-                f"Each parquet file must be listed once, but {file} is listed more than once."
-            )
-
-        seen.add(resolved)
+    repeated = find_repeated_file(files)
+    if repeated is not None:
+        raise ValueError(
+            f"Each parquet file must be listed once, but {repeated} is listed more than once."
+        )
 
     return files
 

@@ -4,8 +4,9 @@ vocabulary checks and metric names."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol, TypeAlias, cast, final
 
 import torch
@@ -39,6 +40,7 @@ from fairseq2.recipe.trainer import TrainUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
+from qwen35_fs2.datasets.files import find_shared_files
 from qwen35_fs2.recipes.loss import DEFAULT_LOSS_CHUNK_SIZE, MtpLossMode, install_chunked_lm_loss
 from qwen35_fs2.nn.moe.statistics import MoeStatistics
 from qwen35_fs2.nn.mtp import find_mtp
@@ -407,6 +409,21 @@ def check_pretraining_vocabulary(model: TransformerLM, tokenizer: Tokenizer) -> 
     if model.pad_idx is not None and model.pad_idx == vocab_info.eos_idx:
         raise RecipeError(
             f"The pad index of the model ({model.pad_idx}) must not be the end-of-document token, or the loss ignores every document end. Set `model.config_overrides.pad_idx: null`."
+        )
+
+
+def check_valid_files_apart(train_files: Sequence[Path], valid_files: Sequence[Path], *, hint: str) -> None:
+    """Raises :class:`RecipeError` if the validation reads training files: its
+    loss would not be a held-out loss. ``hint`` says how to fix the config."""
+    shared = sorted(find_shared_files(valid_files, train_files))
+
+    if shared:
+        shown = ", ".join(str(file) for file in shared[:3])
+
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+
+        raise RecipeError(
+            f"`dataset.valid` must read other files than `dataset.train`, but reads {len(shared)} of its files ({shown}{more}) instead. {hint}"
         )
 
 

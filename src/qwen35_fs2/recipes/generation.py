@@ -45,6 +45,7 @@ from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionExample,
     InstructionSource,
+    list_instruction_files,
     read_instruction_examples,
 )
 
@@ -109,9 +110,9 @@ def read_prompt_examples(
 ) -> list[InstructionExample]:
     """Reads the examples of ``section.sources``, the first
     ``section.max_num_examples`` of them if set."""
-    examples = read_instruction_examples(
-        section.sources, get_asset_download_manager(), require_response=require_response
-    )
+    files = list_instruction_files(section.sources, get_asset_download_manager())
+
+    examples = read_instruction_examples(files, require_response=require_response)
 
     if section.max_num_examples is not None:
         examples = examples[: section.max_num_examples]

@@ -33,6 +33,7 @@ from fairseq2.recipe.error import RecipeError
 from fairseq2.utils.uri import Uri
 from fairseq2.utils.validation import ValidationResult
 
+from qwen35_fs2.datasets.files import describe_mixed_splits, find_repeated_file
 from qwen35_fs2.recipes.synthetic import SYNTHETIC_SCHEME, materialize_synthetic_dataset
 
 InstructionExample = dict[str, str]
@@ -57,7 +58,9 @@ class InstructionSource:
     """
     The files to read under a directory, as a glob relative to it (e.g.
     ``main/train-*.parquet`` in ``hg://openai/gsm8k``). If ``None``, every
-    ``*.parquet`` and ``*.jsonl`` file under the directory.
+    ``*.parquet`` and ``*.jsonl`` file under the directory, whose paths then
+    must not name more than one split (``train``, ``test``, ...; see
+    :mod:`qwen35_fs2.datasets.files`).
     """
 
     def validate(self) -> ValidationResult:
@@ -84,13 +87,31 @@ class InstructionDataError(RecipeError):
     """Raised when an instruction file cannot be read."""
 
 
+def list_instruction_files(
+    sources: Sequence[InstructionSource], download_manager: AssetDownloadManager
+) -> list[Path]:
+    """Returns the files of ``sources``, in order: each source's, sorted by
+    path.
+
+    :raises InstructionDataError: if a source has no file, a file is listed
+        twice, or a directory read without a ``pattern`` holds files of more
+        than one split.
+    """
+    files = [file for source in sources for file in _list_source_files(source, download_manager)]
+
+    repeated = find_repeated_file(files)
+
+    if repeated is not None:
+        raise InstructionDataError(f"Each file must be read once, but {repeated} is listed by more than one source.")  # fmt: skip
+
+    return files
+
+
 def read_instruction_examples(
-    sources: Sequence[InstructionSource],
-    download_manager: AssetDownloadManager,
-    *,
-    require_response: bool = True,
+    files: Sequence[Path], *, require_response: bool = True
 ) -> list[InstructionExample]:
-    """Reads every example of ``sources``, in order.
+    """Reads every example of ``files`` (see :func:`list_instruction_files`),
+    in order.
 
     Empty files are skipped with a warning; no example at all is an error.
 
@@ -101,25 +122,22 @@ def read_instruction_examples(
 
     empty_files: list[Path] = []
 
-    for source in sources:
-        for file in _list_source_files(source, download_manager):
-            if file.suffix == ".parquet":
-                file_examples = _read_parquet(file, require_response)
-            else:
-                file_examples = _read_jsonl(file, require_response)
+    for file in files:
+        if file.suffix == ".parquet":
+            file_examples = _read_parquet(file, require_response)
+        else:
+            file_examples = _read_jsonl(file, require_response)
 
-            if not file_examples:
-                empty_files.append(file)
+        if not file_examples:
+            empty_files.append(file)
 
-            examples.extend(file_examples)
+        examples.extend(file_examples)
 
     if empty_files:
         log.warning("Skipped {} empty file(s): {}", len(empty_files), ", ".join(str(f) for f in empty_files))  # fmt: skip
 
     if not examples:
-        paths = ", ".join(source.path for source in sources)
-
-        raise InstructionDataError(f"The sources {paths} must contain at least one example, but contain none.")  # fmt: skip
+        raise InstructionDataError(f"The files {', '.join(str(f) for f in files)} must contain at least one example, but contain none.")  # fmt: skip
 
     return examples
 
@@ -155,6 +173,23 @@ def hold_out_examples(
     return train, valid
 
 
+def warn_of_shared_prompts(
+    train: Sequence[InstructionExample], valid: Sequence[InstructionExample]
+) -> None:
+    """Logs a warning naming the validation examples whose prompt is the
+    prompt of a training example too: their validation loss is not a held-out
+    loss. Not an error: separate splits may share a few prompts (a question
+    asked twice), which the user should know of but may keep."""
+    train_prompts = {example["prompt"] for example in train}
+
+    shared = [example["id"] for example in valid if example["prompt"] in train_prompts]
+
+    if shared:
+        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+
+        log.warning("{} of the {} validation examples have the prompt of a training example ({}{}): the validation loss is partly a training loss.", len(shared), len(valid), ", ".join(shared[:3]), more)  # fmt: skip
+
+
 def _list_source_files(
     source: InstructionSource, download_manager: AssetDownloadManager
 ) -> list[Path]:
@@ -175,6 +210,13 @@ def _list_source_files(
 
     if source.pattern is None:
         files = [f for f in path.rglob("*") if f.suffix in _SUFFIXES and f.is_file()]
+
+        mixed_splits = describe_mixed_splits(path, files)
+
+        if mixed_splits is not None:
+            raise InstructionDataError(
+                f"`pattern` must select the files of one split of {source.path}, but is None and its files hold {mixed_splits} instead. Set `pattern`, e.g. `main/train-*.parquet` in `openai/gsm8k`."
+            )
     else:
         files = [f for f in path.glob(source.pattern) if f.is_file()]
 

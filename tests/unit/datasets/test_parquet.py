@@ -58,6 +58,19 @@ class TestResolveParquetFiles:
         with pytest.raises(FileNotFoundError, match="must contain at least one \\*.parquet file"):  # fmt: skip
             resolve_parquet_files([tmp_path])
 
+    def test_directory_of_two_splits_raises_error(self, tmp_path: Path) -> None:
+        table = pa.table({"text": ["a"]})
+
+        _write(tmp_path.joinpath("train", "000.parquet"), table)
+        _write(tmp_path.joinpath("test", "000.parquet"), table)
+
+        message = rf"A directory source must hold the files of one split, but {tmp_path} holds test \(test/000.parquet\), train \(train/000.parquet\) instead\. Name the split's directory or files\."
+
+        with pytest.raises(ValueError, match=message):
+            resolve_parquet_files([tmp_path])
+
+        assert resolve_parquet_files([tmp_path.joinpath("train")]) == [tmp_path.joinpath("train", "000.parquet")]
+
     def test_file_listed_twice_raises_error(self, tmp_path: Path) -> None:
         a = _write(tmp_path.joinpath("a.parquet"), pa.table({"text": ["a"]}))
 

@@ -1,16 +1,18 @@
-"""Validation of `lm instruction_finetune` on training examples held out of
-training, so that GSM8K's test split is scored by `lm eval_gsm8k` only."""
+"""Validation of `lm instruction_finetune` apart from training: on training
+examples held out of training, so that GSM8K's test split is scored by
+`lm eval_gsm8k` only, or on files that are not training files."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from pathlib import Path
 
 import pytest
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
-from qwen35_fs2.recipes.instruction import InstructionDataError, InstructionExample, hold_out_examples
+from qwen35_fs2.recipes.instruction import InstructionDataError, InstructionExample, hold_out_examples, warn_of_shared_prompts
 
 from recipes_testing import RECIPES_DIR, read_recipe_file, run_fairseq2
 
@@ -113,3 +115,67 @@ class TestHeldOutConfigErrors:
         last_line = output.strip().splitlines()[-1]
 
         assert message in last_line, last_line
+
+
+def _run_tiny_sft(capfd: pytest.CaptureFixture[str], tmp_path: Path, *overrides: str) -> tuple[int, str]:
+    config = RECIPES_DIR / "qwen35_tiny_gsm8k_cpu.yaml"
+
+    # Should the configuration pass, a step and two validation examples end
+    # the run soon.
+    bounds = ("regime.num_steps=1", "dataset.max_num_valid_examples=2")
+
+    return run_fairseq2(capfd, "lm", "instruction_finetune", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", *bounds, *overrides)
+
+
+class TestValidationApartFromTraining:
+    def test_validation_on_training_files_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        data_dir = tmp_path / "data"
+
+        data_dir.mkdir()
+
+        rows = [{"question": e["prompt"], "answer": e["response"]} for e in _examples(8)]
+
+        data_dir.joinpath("sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+        # The same file named once as the directory and once by a path with
+        # a `..` in it.
+        overrides = (
+            f"dataset.train=[{{path: {data_dir}}}]",
+            f"dataset.valid=[{{path: {data_dir / '..' / 'data' / 'sft.jsonl'}}}]",
+            "dataset.num_held_out_examples=0",
+        )
+
+        returncode, output = _run_tiny_sft(capfd, tmp_path, *overrides)
+
+        assert returncode != 0, output
+
+        message = f"`dataset.valid` must read other files than `dataset.train`, but reads 1 of its files ({data_dir / '..' / 'data' / 'sft.jsonl'}) instead. Give `valid` other paths or patterns, or validate on training examples held out of training (`num_held_out_examples`)."
+
+        assert message in output, output
+
+        assert not (tmp_path / "out" / "checkpoints").exists()
+
+    def test_a_gsm8k_source_without_a_pattern_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+        # Read whole, the GSM8K layout would train on its test split.
+        returncode, output = _run_tiny_sft(capfd, tmp_path, "dataset.train=[{path: 'synthetic://gsm8k'}]")
+
+        assert returncode != 0, output
+
+        assert "`pattern` must select the files of one split of synthetic://gsm8k, but is None and its files hold test (main/test-00000-of-00001.parquet), train (main/train-00000-of-00001.parquet) instead." in output, output
+
+    def test_validation_examples_with_training_prompts_are_named_in_a_warning(self, caplog: pytest.LogCaptureFixture) -> None:
+        examples = _examples(6)
+
+        train, valid = examples[:4], [*examples[3:], *examples[1:3]]
+
+        warn_of_shared_prompts(train, valid)
+
+        ids = ", ".join(e["id"] for e in (examples[3], examples[1], examples[2]))
+
+        assert f"3 of the 5 validation examples have the prompt of a training example ({ids}): the validation loss is partly a training loss." in caplog.text
+
+        caplog.clear()
+
+        warn_of_shared_prompts(examples[:4], examples[4:])
+
+        assert "validation examples have the prompt" not in caplog.text

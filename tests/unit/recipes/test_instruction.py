@@ -18,6 +18,7 @@ from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionDataError,
     InstructionSource,
+    list_instruction_files,
     read_instruction_examples,
 )
 from qwen35_fs2.recipes.synthetic import materialize_synthetic_dataset
@@ -46,7 +47,9 @@ def _read(*sources: InstructionSource, require_response: bool = True) -> list[di
 
     download_manager.download_dataset.side_effect = AssertionError("A local source must not be downloaded.")
 
-    return read_instruction_examples(sources, download_manager, require_response=require_response)
+    files = list_instruction_files(sources, download_manager)
+
+    return read_instruction_examples(files, require_response=require_response)
 
 
 def _write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -90,12 +93,46 @@ class TestReadInstructionExamples:
 
         assert [e["prompt"] for e in examples] == ["train"]
 
-        # Without a pattern, every parquet and JSONL file, in path order.
-        _write_jsonl(tmp_path / "extra.jsonl", [{"question": "jsonl", "answer": "a"}])
+    def test_reads_every_file_of_a_directory_of_one_split_without_a_pattern(self, tmp_path: Path) -> None:
+        (tmp_path / "main").mkdir()
+
+        _write_gsm8k_parquet(tmp_path / "main" / "train-00000-of-00001.parquet", ["train"], ["a"])
+
+        # Files whose paths name no split go with it (`contest` is no `test`).
+        _write_jsonl(tmp_path / "contest.jsonl", [{"question": "contest", "answer": "a"}])
+        _write_jsonl(tmp_path / "extra.jsonl", [{"question": "extra", "answer": "a"}])
 
         examples = _read(InstructionSource(path=str(tmp_path)))
 
-        assert [e["prompt"] for e in examples] == ["jsonl", "test", "train"]
+        assert [e["prompt"] for e in examples] == ["contest", "extra", "train"]
+
+    def test_raises_error_when_a_directory_without_a_pattern_holds_two_splits(self, tmp_path: Path) -> None:
+        # `openai/gsm8k` read whole would train on the test split that
+        # `lm eval_gsm8k` scores.
+        path = materialize_synthetic_dataset(Uri.parse("synthetic://gsm8k"), cache_dir=tmp_path)
+
+        message = rf"`pattern` must select the files of one split of {re.escape(str(path))}, but is None and its files hold test \(main/test-00000-of-00001.parquet\), train \(main/train-00000-of-00001.parquet\) instead. Set `pattern`"
+
+        with pytest.raises(InstructionDataError, match=message):
+            _read(InstructionSource(path=str(path)))
+
+        # A validation split in a directory of its own, under another name.
+        (tmp_path / "mine" / "dev").mkdir(parents=True)
+
+        _write_jsonl(tmp_path / "mine" / "dev" / "part0.jsonl", [{"question": "q", "answer": "a"}])
+        _write_jsonl(tmp_path / "mine" / "training.jsonl", [{"question": "q", "answer": "a"}])
+
+        with pytest.raises(InstructionDataError, match=r"its files hold train \(training.jsonl\), validation \(dev/part0.jsonl\) instead"):
+            _read(InstructionSource(path=str(tmp_path / "mine")))
+
+        # A pattern selects one split.
+        assert len(_read(InstructionSource(path=str(tmp_path / "mine"), pattern="dev/*.jsonl"))) == 1
+
+    def test_raises_error_when_two_sources_list_one_file(self, tmp_path: Path) -> None:
+        file = _write_jsonl(tmp_path / "sft.jsonl", [{"question": "q", "answer": "a"}])
+
+        with pytest.raises(InstructionDataError, match=rf"Each file must be read once, but {re.escape(str(file))} is listed by more than one source\."):
+            _read(InstructionSource(path=str(tmp_path)), InstructionSource(path=str(file)))
 
     def test_raises_error_naming_the_line_of_a_row_without_tgt(self, tmp_path: Path) -> None:
         file = _write_jsonl(tmp_path / "bad.jsonl", [{"src": "s1", "tgt": "t1"}, {"src": "s2"}])

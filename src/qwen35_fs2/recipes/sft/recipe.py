@@ -18,6 +18,7 @@ from fairseq2.task import Task
 from qwen35_fs2.recipes.common import (
     LMTrainingRecipe,
     check_sft_vocabulary,
+    check_valid_files_apart,
     get_sft_pad_idx,
 )
 from qwen35_fs2.recipes.idle_batches import IdleBatchReader
@@ -25,7 +26,9 @@ from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionExample,
     hold_out_examples,
+    list_instruction_files,
     read_instruction_examples,
+    warn_of_shared_prompts,
 )
 from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig
 from qwen35_fs2.recipes.sft.dataset import SFTBatching, create_sft_reader
@@ -43,7 +46,9 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
         # model is built.
         download_manager = get_asset_download_manager()
 
-        train_examples = read_instruction_examples(section.train, download_manager)
+        train_files = list_instruction_files(section.train, download_manager)
+
+        train_examples = read_instruction_examples(train_files)
 
         valid_examples: list[InstructionExample] | None
 
@@ -54,12 +59,22 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
 
             log.info("Held out {} of the {} training examples for validation.", len(valid_examples), len(train_examples) + len(valid_examples))  # fmt: skip
         elif section.valid:
-            valid_examples = read_instruction_examples(section.valid, download_manager)
+            valid_files = list_instruction_files(section.valid, download_manager)
+
+            check_valid_files_apart(
+                train_files,
+                valid_files,
+                hint="Give `valid` other paths or patterns, or validate on training examples held out of training (`num_held_out_examples`).",
+            )
+
+            valid_examples = read_instruction_examples(valid_files)
         else:
             valid_examples = None
 
         if valid_examples is not None:
             valid_examples = valid_examples[: section.max_num_valid_examples]
+
+            warn_of_shared_prompts(train_examples, valid_examples)
 
         tokenizer = context.get_tokenizer()
 

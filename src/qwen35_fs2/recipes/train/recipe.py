@@ -10,12 +10,15 @@ from typing_extensions import override
 
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
-from fairseq2.recipe.error import RecipeError
 from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.datasets.pretraining import PretrainingDataset, PretrainingReader
-from qwen35_fs2.recipes.common import LMTrainingRecipe, check_pretraining_vocabulary
+from qwen35_fs2.recipes.common import (
+    LMTrainingRecipe,
+    check_pretraining_vocabulary,
+    check_valid_files_apart,
+)
 from qwen35_fs2.recipes.synthetic import SYNTHETIC_SCHEME, materialize_synthetic_dataset
 from qwen35_fs2.recipes.train.config import ParquetTextSource, PretrainConfig
 
@@ -53,7 +56,13 @@ class PretrainRecipe(LMTrainingRecipe):
                 max_num_batches=section.max_num_valid_batches,
             )
 
-            _check_valid_files_apart(train_reader, valid_reader)
+            # A `valid` source of the same Hugging Face dataset as `train`
+            # takes the same default `hf_allow_patterns`.
+            check_valid_files_apart(
+                train_reader.files,
+                valid_reader.files,
+                hint="Give `valid` other paths, or other `hf_allow_patterns`.",
+            )
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
@@ -96,22 +105,6 @@ class PretrainRecipe(LMTrainingRecipe):
     @override
     def config_kls(self) -> type[object]:
         return PretrainConfig
-
-
-def _check_valid_files_apart(train_reader: PretrainingReader, valid_reader: PretrainingReader) -> None:
-    """Raises :class:`RecipeError` if the validation reads training files: its
-    loss would not be a held-out loss. A ``valid`` source of the same Hugging
-    Face dataset as ``train`` takes the same default ``hf_allow_patterns``."""
-    shared = sorted(set(train_reader.files) & set(valid_reader.files))
-
-    if shared:
-        shown = ", ".join(str(file) for file in shared[:3])
-
-        more = f" and {len(shared) - 3} more" if len(shared) > 3 else ""
-
-        raise RecipeError(
-            f"`dataset.valid` must read other files than `dataset.train`, but reads {len(shared)} of its files ({shown}{more}) instead. Give `valid` other paths, or other `hf_allow_patterns`."
-        )
 
 
 def _resolve_synthetic(path: str) -> str:
