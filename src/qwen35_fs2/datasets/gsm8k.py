@@ -45,9 +45,10 @@ class Gsm8kExample:
 FINAL_ANSWER_MARKER: Final = "####"
 
 # An optional sign and currency sign, then a number with optional thousands
-# separators and decimals.
+# separators and decimals. Thousands separators count only before a group
+# of exactly three digits: `1,2345` is no 1,234 and 5.
 _NUMBER_RE: Final = re.compile(
-    r"(?P<sign>[-\u2212]?)\s*\$?\s*(?P<number>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+    r"(?P<sign>[-\u2212]?)\s*\$?\s*(?P<number>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 
 

@@ -42,6 +42,13 @@ class TestExtractFinalAnswer:
     def test_does_not_read_list_commas_as_thousands_separators(self) -> None:
         assert extract_gsm8k_answer("The numbers are 3,4") == "4"
 
+    def test_does_not_read_a_malformed_group_as_a_shorter_number(self) -> None:
+        # Five digits after a comma are no thousands group: `1,2345` must not
+        # score as 1,234.
+        assert extract_gsm8k_answer("#### 1,2345") not in ("1234", "12345")
+        assert extract_gsm8k_answer("#### 12,3456") not in ("12345", "123456")
+        assert extract_gsm8k_answer("#### 12,345") == "12345"
+
     @pytest.mark.parametrize("text", ["", "no numbers here", "#### ", "#### unknown"])
     def test_returns_none_without_a_number(self, text: str) -> None:
         assert extract_gsm8k_answer(text) is None
