@@ -98,15 +98,19 @@ class TestHeldOutConfigErrors:
                 "dataset.num_held_out_examples=-1",
                 "`num_held_out_examples` must be greater than or equal to 0, but is -1 instead.",
             ),
+            (
+                "dataset.max_num_valid_examples=1",
+                "`max_num_valid_examples` must be greater than or equal to `num_held_out_examples` (2), but is 1 instead. Hold out fewer examples.",
+            ),
         ],
-        ids=["with_valid", "negative"],
+        ids=["with_valid", "negative", "capped_below_held_out"],
     )
     def test_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, override: str, message: str) -> None:
         config = RECIPES_DIR / "qwen35_tiny_gsm8k_cpu.yaml"
 
-        # Should the configuration pass, a step and two validation examples
-        # end the run soon.
-        bounds = ("regime.num_steps=1", "dataset.max_num_valid_examples=2")
+        # Should the configuration pass, a step and two held-out validation
+        # examples end the run soon.
+        bounds = ("regime.num_steps=1", "dataset.num_held_out_examples=2")
 
         returncode, output = run_fairseq2(capfd, "lm", "instruction_finetune", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", *bounds, override)
 
@@ -120,9 +124,9 @@ class TestHeldOutConfigErrors:
 def _run_tiny_sft(capfd: pytest.CaptureFixture[str], tmp_path: Path, *overrides: str) -> tuple[int, str]:
     config = RECIPES_DIR / "qwen35_tiny_gsm8k_cpu.yaml"
 
-    # Should the configuration pass, a step and two validation examples end
-    # the run soon.
-    bounds = ("regime.num_steps=1", "dataset.max_num_valid_examples=2")
+    # Should the configuration pass, a step and two held-out validation
+    # examples end the run soon.
+    bounds = ("regime.num_steps=1", "dataset.num_held_out_examples=2")
 
     return run_fairseq2(capfd, "lm", "instruction_finetune", str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", *bounds, *overrides)
 

@@ -52,7 +52,8 @@ class SFTDatasetSection:
     """
 
     max_num_valid_examples: int | None = None
-    """If not ``None``, only the first validation examples are used."""
+    """If not ``None``, only the first validation examples are used; not fewer
+    than ``num_held_out_examples``, which are taken out of training."""
 
     max_seq_len: int = 2048
     """The maximum number of tokens of an example; longer ones are skipped."""
@@ -121,10 +122,17 @@ class SFTDatasetSection:
                 f"`valid` must be empty when `num_held_out_examples` is greater than 0, but has {len(self.valid)} source(s). Validate on held-out training examples or on `valid`, not both."
             )
 
-        if self.max_num_valid_examples is not None and self.max_num_valid_examples < 1:
-            result.add_error(
-                f"`max_num_valid_examples` must be greater than or equal to 1, but is {self.max_num_valid_examples} instead."
-            )
+        if self.max_num_valid_examples is not None:
+            if self.max_num_valid_examples < 1:
+                result.add_error(
+                    f"`max_num_valid_examples` must be greater than or equal to 1, but is {self.max_num_valid_examples} instead."
+                )
+            elif self.max_num_valid_examples < self.num_held_out_examples:
+                # The held-out examples beyond the cap would be neither
+                # trained on nor validated on.
+                result.add_error(
+                    f"`max_num_valid_examples` must be greater than or equal to `num_held_out_examples` ({self.num_held_out_examples}), but is {self.max_num_valid_examples} instead. Hold out fewer examples."
+                )
 
         if self.example_shuffle_window < 0:
             result.add_error(
