@@ -32,7 +32,13 @@ from fairseq2.metrics.common import add_seq_generator_metrics, update_seq_genera
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
 from fairseq2.recipe.base import RecipeContext
-from fairseq2.recipe.config import TOP_K_SAMPLER, SamplingConfig, SequenceGeneratorSection, TopKSamplerConfig
+from fairseq2.recipe.config import (
+    TOP_K_SAMPLER,
+    BeamSearchConfig,
+    SamplingConfig,
+    SequenceGeneratorSection,
+    TopKSamplerConfig,
+)
 from fairseq2.recipe.error import RecipeError
 from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.task import Task
@@ -103,6 +109,22 @@ class SpeculativeDecodingSection:
     pass, to report the speed-up over it in the same run and count the
     responses that differ (``Speculative Mismatches``; only the last bits of
     a two-token pass can make one)."""
+
+
+def validate_response_generator(section: SequenceGeneratorSection) -> ValidationResult:
+    """Checks that the sequence generator of a response recipe returns the
+    responses alone: with ``echo_prompt`` its outputs would start with the
+    chat prompt, which the records, the answer extraction (which may then
+    read the question's last number) and the MTP acceptance would take for
+    the response."""
+    result = ValidationResult()
+
+    if isinstance(section.config, SamplingConfig | BeamSearchConfig) and section.config.echo_prompt:
+        result.add_error(
+            "`config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead."
+        )
+
+    return result
 
 
 def read_prompt_examples(

@@ -76,3 +76,19 @@ class TestBadConfigs:
         assert returncode == 2, output
 
         assert "`paths` must hold existing files or directories, or URIs, but /no/such/shards does not exist." in output
+
+    @pytest.mark.parametrize(("recipe", "config"), [("eval_gsm8k", "qwen35_tiny_gsm8k_eval_cpu.yaml"), ("generate", None)])
+    def test_a_generator_echoing_the_prompt_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str, config: str | None) -> None:
+        # With the prompt echoed, records and scores would read the chat
+        # prompt as part of the response.
+        config_args = [] if config is None else ["--config", str(RECIPES_DIR / config)]
+
+        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), *config_args, "--no-rich", "--set", "seq_generator.config.echo_prompt=true")
+
+        assert returncode == 2, output
+
+        last_line = output.strip().splitlines()[-1]
+
+        assert "`seq_generator` is not valid: `config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead." in last_line, last_line
+
+        assert not (tmp_path / "out").exists()

@@ -18,9 +18,14 @@ from fairseq2.recipe.config import (
     TokenizerSection,
     TopKSamplerConfig,
 )
+from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
-from qwen35_fs2.recipes.generation import PromptDatasetSection, SpeculativeDecodingSection
+from qwen35_fs2.recipes.generation import (
+    PromptDatasetSection,
+    SpeculativeDecodingSection,
+    validate_response_generator,
+)
 from qwen35_fs2.recipes.instruction import InstructionSource
 
 
@@ -67,3 +72,10 @@ class EvalGsm8kConfig:
     )
 
     common: CommonSection = field(default_factory=lambda: CommonSection())
+
+    def validate(self) -> ValidationResult:
+        result = ValidationResult()
+
+        result.add_sub_result("seq_generator", validate_response_generator(self.seq_generator))
+
+        return result
