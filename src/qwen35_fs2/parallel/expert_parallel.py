@@ -1,6 +1,7 @@
 """Expert parallelism for Qwen3.5-MoE models under FSDP2: the groups, the
-split of each MoE block's routed experts, their FSDP2 units, and gradient
-clipping across both kinds of units.
+split of each MoE block's routed experts and their FSDP2 units (gradients
+are clipped across both kinds of units by
+:mod:`qwen35_fs2.parallel.grad_norm`).
 
 With ``ep`` ranks per expert-parallel (EP) group (see
 :mod:`qwen35_fs2.nn.moe.expert_parallel` for the token exchange):
@@ -31,22 +32,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import ContextManager, cast, final
+from typing import cast, final
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
-from typing_extensions import override
 
 from fairseq2.error import NotSupportedError
-from fairseq2.gang import Gang, Gangs, ReduceOperation
-from fairseq2.nn.data_parallel import DataParallelFacade
+from fairseq2.gang import Gang, Gangs
 
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.experts import RoutedExperts
@@ -287,81 +285,6 @@ def shard_expert_parallel_experts(
     unit.set_gradient_divide_factor(float(ep.ep_size * dist.get_world_size(replicas)))
 
     unit.set_force_sum_reduction_for_comms(True)
-
-
-@final
-class ExpertParallelFacade(DataParallelFacade):
-    """The data-parallel facade of an expert-parallel model: ``facade``'s,
-    except for gradient clipping.
-
-    fairseq2 clips FSDP2 gradients with PyTorch's ``clip_grad_norm_``, which
-    stacks the norms of all gradients as DTensors of one mesh; the experts'
-    gradients lie on the replica meshes. Here every rank sums the squares of
-    its local shards, the data-parallel gang sums those (each shard is held
-    by one rank), and every rank scales its shards by the same factor.
-    """
-
-    def __init__(self, facade: DataParallelFacade, module: Module, dp_gang: Gang) -> None:
-        self._facade = facade
-        self._module = module
-        self._dp_gang = dp_gang
-
-    @override
-    def state_dict(self) -> dict[str, object]:
-        return self._facade.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        self._facade.load_state_dict(state_dict)
-
-    @override
-    def no_sync(self) -> ContextManager[None]:
-        return self._facade.no_sync()
-
-    @override
-    def clip_grad_norm(self, max_norm: float | None) -> Tensor:
-        return clip_sharded_grad_norm(self._module, max_norm, self._dp_gang)
-
-    @override
-    def summon_full_parameters(self) -> ContextManager[None]:
-        return self._facade.summon_full_parameters()
-
-
-def clip_sharded_grad_norm(module: Module, max_norm: float | None, dp_gang: Gang) -> Tensor:
-    """Clips the gradients of ``module``, whose parameters are FSDP2 shards
-    over any meshes of ``dp_gang``'s ranks, to a total 2-norm of ``max_norm``
-    (``None`` for no clipping) and returns the total norm before clipping."""
-    grads = []
-
-    for name, param in module.named_parameters():
-        if param.grad is None:
-            continue
-
-        if not isinstance(param.grad, DTensor):
-            raise ValueError(
-                f"The gradients of `module` must be FSDP2 shards (`DTensor`), but the gradient of `{name}` is a `{type(param.grad).__name__}` instead."
-            )
-
-        grads.append(param.grad.to_local())
-
-    device = dp_gang.device
-
-    if grads:
-        squares = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]).square().sum()
-    else:
-        squares = torch.zeros((), device=device)
-
-    dp_gang.all_reduce(squares, ReduceOperation.SUM)
-
-    total_norm = squares.sqrt()
-
-    if max_norm is not None and grads:
-        # As PyTorch's `clip_grad_norm_`: never scaled up.
-        coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-
-        torch._foreach_mul_(grads, coef)
-
-    return total_norm
 
 
 def keep_optimizer_state_on_parameter_meshes(optimizer: Optimizer) -> None:

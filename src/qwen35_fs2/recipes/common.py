@@ -57,13 +57,13 @@ from qwen35_fs2.recipes.idle_batches import is_idle_batch
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
 from qwen35_fs2.lora import LoraConfig
 from qwen35_fs2.parallel.expert_parallel import (
-    ExpertParallelFacade,
     ExpertParallelGroups,
     apply_expert_parallelism,
     create_expert_parallel_groups,
     keep_optimizer_state_on_parameter_meshes,
 )
 from qwen35_fs2.recipes.gang import Qwen35GangSection
+from qwen35_fs2.parallel.grad_norm import ShardedGradClipFacade
 
 AuxLossFn: TypeAlias = Callable[[], MoeStatistics]
 """
@@ -185,10 +185,12 @@ class LMTrainingRecipe(Recipe):
         dp_model = context.get_data_parallel_model()
 
         # Before the trainer exists: it takes the facade of the model then.
-        if self._ep_groups is not None:
-            facade = ExpertParallelFacade(get_data_parallel_facade(dp_model), dp_model, self._ep_groups.dp)
+        if self._ep_groups is not None or context.gangs.tp.size > 1:
+            facade = ShardedGradClipFacade(get_data_parallel_facade(dp_model), dp_model, context.gangs)
 
             set_data_parallel_facade(dp_model, facade)
+
+            log.info("Gradients are clipped by their norm over all {} ranks (tensor parallel size {}).", context.gangs.root.size, context.gangs.tp.size)  # fmt: skip
 
         # A MoE run may resume a checkpoint of another EP size.
         if self._has_moe:

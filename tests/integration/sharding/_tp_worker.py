@@ -23,10 +23,15 @@ split by the adapters' shard dims), the logits, the loss and every adapter gradi
 agree; and the TP=2 adapters, saved as a 2-shard checkpoint, load under
 TP=1 as the unsharded ones, bit for bit.
 
+Gradients clipped to half their norm, as the recipes' ``max_grad_norm``
+clips them, by the norm of the whole model's gradient over the ranks
+(:mod:`qwen35_fs2.parallel.grad_norm`), are the unsharded model's clipped
+gradients, in every case.
+
 Differences are relative to the largest magnitude of the expected tensor.
 Writes ``{case: {"max_logit_diff": ..., "loss_diff": ..., "max_grad_diff":
-...}}`` (and ``"mtp_loss_diff"`` for the cases with an MTP head) to
-``--output-dir/result.json`` (rank 0).
+..., "grad_norm_diff": ...}}`` (and ``"mtp_loss_diff"`` for the cases with
+an MTP head) to ``--output-dir/result.json`` (rank 0).
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from qwen35_fs2.models.qwen35_moe import (
 )
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.parallel.grad_norm import clip_grad_norm_over_ranks, tensor_parallel_shards
 from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 
 CPU = torch.device("cpu")
@@ -308,12 +314,40 @@ def _compare_runs(reference: TransformerLM, model: TransformerLM, vocab_size: in
     return result, expected_gradients
 
 
+def _check_clipping(reference: TransformerLM, model: TransformerLM, tp_gangs: Gangs) -> float:
+    """Clips the gradients of both models to half the unsharded model's
+    gradient norm, as the recipes' ``max_grad_norm`` would: the TP=2 model's
+    by the norm over its ranks, which must be the unsharded model's, and
+    then its clipped gradients the unsharded model's clipped ones (the
+    replicated parameters' alike on every rank). Returns the difference of
+    the norms relative to the unsharded model's."""
+    params = [p for p in reference.parameters() if p.grad is not None]
+
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=torch.inf)
+
+    torch.nn.utils.clip_grad_norm_(params, max_norm=norm.item() / 2)
+
+    tp_norm = clip_grad_norm_over_ranks(model, norm.item() / 2, tp_gangs, tensor_parallel_shards(model))
+
+    diff = abs(tp_norm.item() - norm.item()) / norm.item()
+
+    assert diff <= TOLERANCE, f"The gradient norm over the ranks is {tp_norm.item()}, but the unsharded model's is {norm.item()}."
+
+    expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    _max_diff(expected_gradients, _full_gradients(model, tp_gangs))
+
+    return diff
+
+
 def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
     reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "tp1")
 
     result, expected_gradients = _compare_runs(reference, model, config.vocab_size)
 
     result["max_grad_diff"] = _max_diff(expected_gradients, _full_gradients(model, tp_gangs))
+
+    result["grad_norm_diff"] = _check_clipping(reference, model, tp_gangs)
 
     # TP=2 -> TP=1.
     tp2_path = output_dir / name / "tp2"
@@ -400,6 +434,8 @@ def _check_lora_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_ga
     assert expected_gradients.keys() == {n for n, p in reference.named_parameters() if is_lora_key(n)}
 
     result["max_grad_diff"] = _max_diff(expected_gradients, _full_gradients(model, tp_gangs))
+
+    result["grad_norm_diff"] = _check_clipping(reference, model, tp_gangs)
 
     # TP=2 -> TP=1.
     tp2_path = output_dir / name / "tp2"

@@ -106,6 +106,9 @@ def test_sft_loads_a_hf_checkpoint_into_the_shards_of_each_rank(parallelism: lis
     if through_card:
         assert "`tied_embeddings` True -> False" in process.stdout
 
+        # Not by each rank's shards alone (fairseq2's clipping).
+        assert "Gradients are clipped by their norm over all 2 ranks (tensor parallel size 2)." in process.stdout
+
         # What a resumed run or a card of the fine-tuned model will build.
         metadata = yaml.safe_load((output_dir / "checkpoints" / "model.yaml").read_text())
 
