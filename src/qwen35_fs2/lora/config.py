@@ -104,3 +104,22 @@ class LoraConfig:
             )
 
         return result
+
+
+def validate_lora_tensor_parallelism(lora: LoraConfig | None, tensor_parallel_size: int) -> ValidationResult:
+    """Checks a recipe's ``lora`` section against its tensor parallel size.
+
+    A column-sharded adapter's ``A`` sees the input all tensor-parallel ranks
+    share, and its dropout mask would have to be the same on all of them.
+    fairseq2's trainer seeds each rank apart (its seed plus the rank): the
+    ranks' gradients of their copies of ``A`` would differ, and the copies
+    with them.
+    """
+    result = ValidationResult()
+
+    if lora is not None and lora.dropout_p > 0.0 and tensor_parallel_size > 1:
+        result.add_error(
+            f"`lora.dropout_p` must be 0 under tensor parallelism (`gang.tensor_parallel_size` {tensor_parallel_size}), since the ranks would drop different entries of the input they share, but is {lora.dropout_p} instead."
+        )
+
+    return result

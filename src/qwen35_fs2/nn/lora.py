@@ -51,9 +51,10 @@ class LoraAdapter(Module, Sharded):
       values per token), so ``B`` sees, and its gradient is, that of the
       unsharded adapter.
 
-    A replicated input's dropout mask must then be the same on every rank,
-    as it is for fairseq2's dropout on the (replicated) residual stream:
-    every rank draws from the same seed in the same order.
+    A replicated input's dropout mask would then have to be the same on
+    every rank; fairseq2's trainer seeds every rank apart, so the recipes
+    refuse adapter dropout under tensor parallelism
+    (:func:`~qwen35_fs2.lora.config.validate_lora_tensor_parallelism`).
     """
 
     def __init__(

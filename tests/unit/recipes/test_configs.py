@@ -92,3 +92,21 @@ class TestBadConfigs:
         assert "`seq_generator` is not valid: `config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead." in last_line, last_line
 
         assert not (tmp_path / "out").exists()
+
+    @pytest.mark.parametrize("recipe", ["instruction_finetune", "train"])
+    def test_lora_dropout_under_tensor_parallelism_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str) -> None:
+        # fairseq2 seeds each rank apart: the tensor-parallel ranks would drop
+        # different entries of the input they share.
+        config = RECIPES_DIR / ("qwen35_tiny_gsm8k_lora_cpu.yaml" if recipe == "instruction_finetune" else "qwen35_tiny_pretrain_cpu.yaml")
+
+        overrides = ["gang.tensor_parallel_size=2", "lora={dropout_p: 0.05}" if recipe == "train" else "lora.dropout_p=0.05"]
+
+        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), "--config", str(config), "--no-rich", "--set", *overrides)
+
+        assert returncode == 2, output
+
+        last_line = output.strip().splitlines()[-1]
+
+        assert "`lora.dropout_p` must be 0 under tensor parallelism (`gang.tensor_parallel_size` 2), since the ranks would drop different entries of the input they share, but is 0.05 instead." in last_line, last_line
+
+        assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from fairseq2.utils.validation import ValidationResult
 
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.lora import LoraConfig
+from qwen35_fs2.lora.config import validate_lora_tensor_parallelism
 from qwen35_fs2.recipes.gang import Qwen35GangSection
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
@@ -207,3 +208,6 @@ class InstructionFinetuneConfig:
     freezes the rest of the model, which must start from a Hugging Face
     checkpoint (see docs/recipes.md).
     """
+
+    def validate(self) -> ValidationResult:
+        return validate_lora_tensor_parallelism(self.lora, self.gang.tensor_parallel_size)
