@@ -345,23 +345,24 @@ def _read_rope_parameters(text: Mapping[str, object]) -> tuple[float, float]:
     """Returns ``(rope_theta, partial_rotary_factor)``.
 
     transformers 5 nests them in ``rope_parameters``; older files keep them
-    at the top level of the text config.
+    at the top level of the text config. A ``rope_scaling`` entry replaces
+    ``rope_parameters`` whole, as transformers 5.24 reads it (a YaRN block
+    added to a released config is YaRN there, with that block's theta).
     """
-    rope = text.get("rope_parameters")
+    key = "rope_scaling" if text.get("rope_scaling") else "rope_parameters"
 
-    if rope is None:
-        rope = text.get("rope_scaling") or {}
+    rope = text.get(key) or {}
 
     if not isinstance(rope, Mapping):
         raise ValueError(
-            f"`rope_parameters` must be a mapping, but is of type `{type(rope).__name__}` instead."
+            f"`{key}` must be a mapping, but is of type `{type(rope).__name__}` instead."
         )
 
     rope_type = rope.get("rope_type", rope.get("type", "default"))
 
     if rope_type != "default":
         raise ValueError(
-            f"Only the 'default' RoPE type is supported, but `rope_parameters.rope_type` is '{rope_type}'."
+            f"Only the 'default' RoPE type is supported, but `{key}.rope_type` is '{rope_type}'."
         )
 
     merged: dict[str, object] = {**text, **rope}

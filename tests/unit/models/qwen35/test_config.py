@@ -193,7 +193,10 @@ class TestQwen35ConfigFromHf:
             ("attention_bias", True, "`attention_bias` must be False"),
             ("hidden_act", "gelu", "`hidden_act` must be 'silu'"),
             ("hidden_size", "4096", "`hidden_size` must be an integer"),
-            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "Only the 'default' RoPE type"),
+            ("rope_parameters", {"rope_type": "yarn", "factor": 4.0}, "Only the 'default' RoPE type is supported, but `rope_parameters.rope_type` is 'yarn'."),
+            # Beside `rope_parameters`, as Qwen's YaRN recipe adds it: transformers
+            # then reads `rope_scaling` alone.
+            ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}, "Only the 'default' RoPE type is supported, but `rope_scaling.rope_type` is 'yarn'."),
             ("linear_num_value_heads", 24, "`num_linear_value_heads` (24) must be a multiple"),
         ],
     )
