@@ -24,6 +24,7 @@ from qwen35_fs2.hf.export.tensors import lay_out_experts, to_hg_state_dict
 from qwen35_fs2.hf.safetensors import SafetensorsTensor
 from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig
+from qwen35_fs2.nn.lora import is_lora_key
 
 _VISUAL_KEY: Final = re.compile(r"^model\.visual\.")
 
@@ -153,6 +154,8 @@ def plan_hf_export(
         tokenizer is carried over.
     """
     _check_exportable(config)
+
+    _check_no_adapters(state_dict)
 
     _check_tied_embeddings(state_dict, config)
 
@@ -300,6 +303,18 @@ def _tokenizer_generation_config(tokenizer_dir: Path) -> dict[str, object]:
         "eos_token_id": list(dict.fromkeys(eos_ids)),
         "pad_token_id": token_id(tokenizer_config.get("pad_token")),
     }
+
+
+def _check_no_adapters(state_dict: Mapping[str, Tensor]) -> None:
+    """Raises :class:`HfExportError` if ``state_dict`` holds LoRA adapters:
+    written beside the base weights, transformers would warn of unexpected
+    keys and serve the base model without them."""
+    adapter_keys = sorted(key for key in state_dict if is_lora_key(key))
+
+    if adapter_keys:
+        raise HfExportError(
+            f"The model must hold no unmerged LoRA adapters, but holds {len(adapter_keys)} adapter tensors ({adapter_keys[0]}, ...) instead. Merge them into the weights first (`merge_lora_state_dict`), or write them as a PEFT adapter (`save_peft_adapter`)."
+        )
 
 
 def _check_exportable(config: Qwen35Config) -> None:

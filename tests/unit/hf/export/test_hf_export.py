@@ -39,6 +39,7 @@ from qwen35_fs2.hf.export import (
     write_hf_export,
 )
 from qwen35_fs2.models.qwen35_moe.config import Qwen35MoeConfig, tiny_qwen35_moe_config
+from qwen35_fs2.lora import LoraConfig, apply_lora
 
 
 def _state_dict(config: Qwen35Config) -> dict[str, Tensor]:
@@ -356,6 +357,22 @@ class TestPlanHfExport:
 
         with pytest.raises(HfExportError, match="has an output projection of its own"):
             plan_hf_export(state_dict, config)
+
+    def test_refuses_unmerged_lora_adapters_and_writes_nothing(self, tmp_path: Path) -> None:
+        # Written beside the base weights, transformers would load the base
+        # model and only warn of the adapters' keys.
+        config = tiny_qwen35_config()
+
+        model = create_qwen35_model(config)
+
+        apply_lora(model, LoraConfig(r=2, alpha=4.0), config)
+
+        out_dir = tmp_path / "out"
+
+        with pytest.raises(HfExportError, match=r"The model must hold no unmerged LoRA adapters, but holds \d+ adapter tensors \(decoder\.layers\.0\..*\.lora\..*, \.\.\.\) instead\. Merge them into the weights first"):
+            save_hf_model(model, out_dir, config=config)
+
+        assert not out_dir.exists()
 
     def test_keeps_base_dtypes_by_default_and_casts_everything_to_an_explicit_dtype(self, tmp_path: Path) -> None:
         config = _untied_tiny_config()
