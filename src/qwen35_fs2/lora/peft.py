@@ -15,7 +15,7 @@ from torch.nn import Module
 from fairseq2.utils.validation import StandardObjectValidator
 
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
-from qwen35_fs2.hf.export.writer import check_output_dir
+from qwen35_fs2.hf.export.writer import StagingDir, check_output_dir
 from qwen35_fs2.lora.apply import hg_expert_weight_name
 from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.models.qwen35.config import Qwen35Config
@@ -81,7 +81,7 @@ def save_peft_adapter(
     :param config: The configuration the adapters were made with.
     :param base_model_name_or_path: The base model the adapter applies to (a
         Hub id or a directory), as PEFT records it.
-    :param force: If ``True``, replaces the files of a non-empty ``out_dir``.
+    :param force: If ``True``, replaces a non-empty ``out_dir`` whole.
 
     :raises ValueError: if ``model`` has no adapters, or adapters split over
         tensor-parallel ranks.
@@ -133,13 +133,15 @@ def save_peft_adapter(
         "inference_mode": True,
     }
 
-    out_dir = Path(out_dir)
+    # Written aside and renamed into place: `out_dir` never holds a partial
+    # adapter, nor, with `force`, the files of what it held before (a merged
+    # model that vLLM would serve instead of the adapter).
+    with StagingDir(Path(out_dir).absolute()) as staging_dir:
+        save_file(tensors, staging_dir.path / PEFT_WEIGHTS_NAME, metadata={"format": "pt"})
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+        (staging_dir.path / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
 
-    save_file(tensors, out_dir / PEFT_WEIGHTS_NAME, metadata={"format": "pt"})
-
-    (out_dir / PEFT_CONFIG_NAME).write_text(json.dumps(peft_config, indent=2) + "\n")
+        staging_dir.commit()
 
 
 def _expert_adapter_tensors(

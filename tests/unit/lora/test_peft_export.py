@@ -79,3 +79,26 @@ class TestSavePeftAdapter:
 
         with pytest.raises(ValidationError, match=r"`r` must be greater than 0"):
             save_peft_adapter(model, tmp_path / "adapter", config=LoraConfig(r=0), model_config=config)
+
+    def test_force_replaces_the_directory_whole(self, tmp_path: Path) -> None:
+        # A merged export there before: left beside the adapter, its
+        # `config.json` and weights would be what vLLM or transformers serve.
+        config = tiny_qwen35_config()
+
+        model = create_qwen35_model(config)
+
+        apply_lora(model, LoraConfig(), config)
+
+        out_dir = tmp_path / "out"
+
+        out_dir.mkdir()
+
+        for name in ("config.json", "model.safetensors", "model.safetensors.index.json"):
+            (out_dir / name).write_text("{}")
+
+        save_peft_adapter(model, out_dir, config=LoraConfig(), model_config=config, force=True)
+
+        assert sorted(p.name for p in out_dir.iterdir()) == sorted([PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME])
+
+        # Nothing left next to it either.
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]

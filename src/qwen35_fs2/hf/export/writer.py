@@ -49,7 +49,7 @@ def write_hf_export(
 
     check_output_dir(out_dir, base=plan.base, force=force)
 
-    with _StagingDir(out_dir) as staging_dir:
+    with StagingDir(out_dir) as staging_dir:
         _write_shards(plan, staging_dir.path, max_shard_size)
 
         _write_json(staging_dir.path / "config.json", plan.config)
@@ -93,9 +93,10 @@ def check_output_dir(
 
 
 @final
-class _StagingDir:
+class StagingDir:
     """A hidden directory next to the output that becomes the output on
-    :meth:`commit` and is removed otherwise."""
+    :meth:`commit` (replacing a directory that is there whole) and is
+    removed otherwise; it must hold a JSON file by then."""
 
     def __init__(self, out_dir: Path) -> None:
         self._out_dir = out_dir
@@ -103,7 +104,7 @@ class _StagingDir:
         self._created_parents: list[Path] = []
         self._committed = False
 
-    def __enter__(self) -> _StagingDir:
+    def __enter__(self) -> StagingDir:
         parent = self._out_dir.parent
 
         missing = [p for p in (parent, *parent.parents) if not p.exists()]
@@ -135,8 +136,9 @@ class _StagingDir:
         staging_path = self.path
 
         # safetensors creates its files private to their owner; they get the
-        # mode of the JSON files, that of any file the user creates.
-        file_mode = (staging_path / "config.json").stat().st_mode & 0o777
+        # mode of the JSON files (`config.json`, `adapter_config.json`), that
+        # of any file the user creates.
+        file_mode = min(staging_path.glob("*.json")).stat().st_mode & 0o777
 
         for file in staging_path.glob("*.safetensors"):
             file.chmod(file_mode)
