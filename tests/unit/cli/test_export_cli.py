@@ -11,13 +11,15 @@ import pytest
 import torch
 import yaml
 
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hf_reference import read_safetensors_dir
 from training_runs import LORA_RUN_CONFIG, write_lora_run, write_scratch_run
 import qwen35_fs2.cli.export_hf as export_cli
 import qwen35_fs2.hf.export.checkpoint as export_checkpoint
 from qwen35_fs2.cli.export_hf import main, parse_size
+from qwen35_fs2.hf.export import build_hf_config
+from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.lora import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
@@ -135,6 +137,45 @@ class TestMain:
 
         assert "Replace them with `--force`" in _errors(caplog)
         assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+    def test_ships_the_tokenizer_when_the_base_holds_none(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        # A base as fairseq2 downloads a Hub model: its config and weights
+        # alone.
+        config = tiny_qwen35_config()
+
+        base_dir = tmp_path / "base"
+
+        base_dir.mkdir()
+
+        hf_config = build_hf_config(config, base=None, text_only=True, dtype=torch.float32, num_mtp_layers=0)
+
+        (base_dir / "config.json").write_text(json.dumps(hf_config))
+
+        hg = to_hg_state_dict(create_qwen35_model(config).state_dict(), config)
+
+        save_file({k: v.contiguous() for k, v in hg.items() if isinstance(v, torch.Tensor)}, str(base_dir / "model.safetensors"))
+
+        tokenizer_dir = tmp_path / "tokenizer"
+
+        tokenizer_dir.mkdir()
+
+        (tokenizer_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<|endoftext|>"}, {"id": 9, "content": "<|im_end|>"}]}))
+        (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+
+        assert main([str(run_dir), str(tmp_path / "out"), "--base", str(base_dir), "--tokenizer", str(tokenizer_dir)]) == 0, _errors(caplog)
+
+        out_files = sorted(p.name for p in (tmp_path / "out").iterdir())
+
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(out_files), out_files
+
+        assert json.loads((tmp_path / "out" / "generation_config.json").read_text())["eos_token_id"] == [9, 7]
+
+        # A base with a tokenizer carries its own over.
+        (base_dir / "tokenizer.json").write_text("{}")
+
+        assert main([str(run_dir), str(tmp_path / "out2"), "--base", str(base_dir), "--tokenizer", str(tokenizer_dir)]) == 1
+
+        assert f"`--tokenizer` is for exports without a base model, or with a base that holds no tokenizer, but {base_dir} holds one, which is carried over." in _errors(caplog)
 
     def test_fails_for_a_read_only_output_location_and_leaves_nothing(self, run_dir: Path, read_only_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
         assert main([str(run_dir), str(read_only_dir / "out")]) == 1

@@ -36,7 +36,7 @@ from fairseq2.utils.structured import StructureError, ValueConverter
 from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
 from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
-from qwen35_fs2.hf.export.plan import check_architecture, plan_hf_export
+from qwen35_fs2.hf.export.plan import check_architecture, holds_tokenizer, plan_hf_export
 from qwen35_fs2.hf.export.repository import HfExportError, HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
 from qwen35_fs2.hf.safetensors import index_safetensors
@@ -133,16 +133,18 @@ def export_checkpoint(
 
     base_repo = None if base_path is None else HfRepository.open(base_path)
 
-    if base_repo is not None:
+    if base_repo is not None and holds_tokenizer(base_repo.path):
         if tokenizer is not None:
             raise CheckpointError(
-                "`--tokenizer` is for exports without a base model; the base's tokenizer is carried over."
+                f"`--tokenizer` is for exports without a base model, or with a base that holds no tokenizer, but {base_repo.path} holds one, which is carried over."
             )
 
         tokenizer_dir = None
     elif tokenizer is not None:
         tokenizer_dir = _resolve_tokenizer_dir(tokenizer)
     else:
+        # The run's, also for a base that fairseq2 downloaded (its weights
+        # and config alone).
         tokenizer_dir = source.default_tokenizer
 
     check_output_dir(out_dir, base=base_repo, force=force)

@@ -147,11 +147,13 @@ def plan_hf_export(
         anyway (a warning says it is untrained). The config's
         ``mtp_num_hidden_layers`` counts the layers of the head the export
         holds, none if it holds none.
-    :param tokenizer_dir: Without a base (a model trained from scratch), the
-        Hugging Face tokenizer directory the model was trained with: its files
-        are copied and the generation config ends text with its end tokens,
-        so transformers can tokenize and stop. Ignored with a base, whose
-        tokenizer is carried over.
+    :param tokenizer_dir: Without a base (a model trained from scratch), or
+        with a base that holds no tokenizer (fairseq2's download of a Hub
+        model: weights and config alone), the Hugging Face tokenizer directory
+        the model was trained with: its files are copied and the generation
+        config ends text with its end tokens (unless the base has one), so
+        transformers can tokenize and stop. Ignored with a base that has a
+        tokenizer, which is carried over.
     """
     _check_exportable(config)
 
@@ -252,17 +254,25 @@ def plan_hf_export(
 
     generation_config = None
 
-    if base is not None:
-        copied_files = _files_to_copy(base.path, vision=is_vlm)
-    elif tokenizer_dir is not None:
+    copied_files = [] if base is None else _files_to_copy(base.path, vision=is_vlm)
+
+    if base is not None and not holds_tokenizer(base.path):
+        # fairseq2 downloads a Hub model's weights and config alone.
+        if tokenizer_dir is None:
+            log.warning("{} holds no tokenizer, and none is given: the export has none.", base.path)
+        else:
+            log.info("{} holds no tokenizer: the export ships {}'s, and its end tokens as generation defaults unless the base has some.", base.path, tokenizer_dir)  # fmt: skip
+
+    if tokenizer_dir is not None and (base is None or not holds_tokenizer(base.path)):
+        copied_names = {f.name for f in copied_files}
+
         # Ours replaces the tokenizer's generation defaults, if it has any.
-        copied_files = [
-            f for f in _files_to_copy(tokenizer_dir, vision=False) if f.name != "generation_config.json"
+        copied_files += [
+            f for f in _files_to_copy(tokenizer_dir, vision=False) if f.name != "generation_config.json" and f.name not in copied_names
         ]
 
-        generation_config = _tokenizer_generation_config(tokenizer_dir)
-    else:
-        copied_files = []
+        if "generation_config.json" not in copied_names:
+            generation_config = _tokenizer_generation_config(tokenizer_dir)
 
     return HfExportPlan(doc, tensors, copied_files, base, generation_config)
 
@@ -488,6 +498,16 @@ def _dominant_dtype(tensors: Iterable[_PlannedTensor]) -> torch.dtype:
             counts[tensor.dtype] = counts.get(tensor.dtype, 0) + numel(tensor.shape)
 
     return max(counts, key=counts.__getitem__)
+
+
+# The files of which one makes a directory a Hugging Face tokenizer.
+_TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def holds_tokenizer(path: Path) -> bool:
+    """Whether the Hugging Face repository at ``path`` holds a tokenizer; a
+    Hub model that fairseq2 downloaded holds its weights and config alone."""
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
 
 
 def _files_to_copy(path: Path, *, vision: bool) -> list[Path]:

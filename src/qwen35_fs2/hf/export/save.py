@@ -51,8 +51,9 @@ def save_hf_model(
     :param text_only: If ``True``, leaves out the vision tower.
     :param force: If ``True``, replaces a non-empty ``out_dir``.
     :param max_shard_size: The largest safetensors shard in bytes.
-    :param tokenizer_dir: Without ``base``, the Hugging Face tokenizer
-        directory to ship with the model; see :func:`plan_hf_export`.
+    :param tokenizer_dir: Without ``base``, or with a base that holds no
+        tokenizer, the Hugging Face tokenizer directory to ship with the
+        model; see :func:`plan_hf_export`.
     :param keep_base_mtp: If ``True``, the MTP head is the base's instead of
         the model's; see :func:`plan_hf_export`.
 

@@ -404,6 +404,46 @@ class TestPlanHfExport:
         assert plan.config["mtp_num_hidden_layers"] == 1
         assert [f.name for f in plan.copied_files] == ["generation_config.json", "tokenizer.json", "chat_template.jinja"]
 
+    def test_ships_the_given_tokenizer_when_the_base_holds_none(self, tmp_path: Path) -> None:
+        # fairseq2's download of a Hub model: its weights and config alone.
+        config = _untied_tiny_config()
+
+        _make_vlm_base(tmp_path / "base", config)
+
+        for name in ("generation_config.json", "tokenizer.json", "chat_template.jinja"):
+            (tmp_path / "base" / name).unlink()
+
+        tokenizer_dir = tmp_path / "tokenizer"
+
+        tokenizer_dir.mkdir()
+
+        (tokenizer_dir / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 7, "content": "<|endoftext|>"}, {"id": 9, "content": "<|im_end|>"}]}))
+        (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+        (tokenizer_dir / "chat_template.jinja").write_text("{{ messages }}")
+
+        base = HfRepository.open(tmp_path / "base")
+
+        plan = plan_hf_export(_state_dict(config), config, base=base, tokenizer_dir=tokenizer_dir)
+
+        assert sorted(f.name for f in plan.copied_files) == ["chat_template.jinja", "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json"]
+        assert {f.parent.name for f in plan.copied_files if f.name != "preprocessor_config.json"} == {"tokenizer"}
+        assert plan.generation_config == {"bos_token_id": None, "eos_token_id": [9, 7], "pad_token_id": 7}
+
+        # A base's own generation defaults stay.
+        (tmp_path / "base" / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
+
+        plan = plan_hf_export(_state_dict(config), config, base=base, tokenizer_dir=tokenizer_dir)
+
+        assert plan.generation_config is None
+        assert "generation_config.json" in [f.name for f in plan.copied_files]
+
+        # A base with a tokenizer keeps its own.
+        (tmp_path / "base" / "tokenizer.json").write_text("{}")
+
+        plan = plan_hf_export(_state_dict(config), config, base=base, tokenizer_dir=tokenizer_dir)
+
+        assert {f.parent.name for f in plan.copied_files} == {"base"}
+
     def test_writes_per_expert_tensors_without_a_base(self) -> None:
         config = tiny_qwen35_moe_config()
 
