@@ -32,6 +32,9 @@ Semantics of the reader:
   the number of batches: when one rank runs out, all stop the epoch together
   (the rest of the others' epoch is dropped, as in fairseq2's
   ``SyncMode.UNTIL_FIRST``), and when one rank fails to read, all raise.
+  For validation, ``SyncMode.UNTIL_LAST`` lets every rank read all of its
+  batches: a rank that has run out gets empty lists (the recipes hand it
+  idle batches) until the others have too.
   An epoch without a single batch on some rank is an error (the dataset is
   too small), not an endless series of empty epochs. Packing does not cross
   epochs: the last partial batch of an epoch is dropped or, with
@@ -72,7 +75,7 @@ from typing import Final, Generic, Self, TypeAlias, TypeVar, final
 
 import torch
 from fairseq2.data.tokenizers import TokenEncoder, Tokenizer
-from fairseq2.datasets import DataReader, DataReadError, SequenceBatch
+from fairseq2.datasets import DataReader, DataReadError, SequenceBatch, SyncMode
 from fairseq2.gang import Gangs
 from fairseq2.logging import log
 from typing_extensions import override
@@ -147,6 +150,7 @@ class PretrainingDataset:
         drop_remainder: bool = True,
         max_num_batches: int | None = None,
         prefetch: int = 4,
+        sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
     ) -> PretrainingReader:
         """
         :param max_seq_len: The maximum length of a packed segment; longer
@@ -164,6 +168,10 @@ class PretrainingDataset:
             many batches on every rank (for bounded validation).
         :param prefetch: The number of batches prepared ahead in a background
             thread; 0 prepares them in the calling thread.
+        :param sync_mode: ``UNTIL_FIRST`` (training): an epoch ends on every
+            rank when one rank runs out. ``UNTIL_LAST`` (validation): every
+            rank reads all of its batches, a rank that has run out gets empty
+            lists until the others have too.
         """
         files = _resolve_files_on_gangs(self._paths, self._hf_allow_patterns, gangs)
 
@@ -194,6 +202,7 @@ class PretrainingDataset:
             drop_remainder=drop_remainder,
             max_num_batches=max_num_batches,
             prefetch=prefetch,
+            sync_mode=sync_mode,
             pad_value=pad_value,
             pin_memory=gangs.dp.device.type == "cuda",
             tokenizer_id=f"vocab_size={vocab_info.size},eos_idx={vocab_info.eos_idx}",
@@ -296,6 +305,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         drop_remainder: bool = True,
         max_num_batches: int | None = None,
         prefetch: int = 4,
+        sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
         pad_value: int = 0,
         pin_memory: bool = False,
         tokenizer_id: str = "",
@@ -344,6 +354,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._drop_remainder = drop_remainder
         self._max_num_batches = max_num_batches
         self._prefetch = prefetch
+        self._sync_mode = sync_mode
         self._pad_value = pad_value
         self._pin_memory = pin_memory
 
@@ -370,6 +381,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._epoch = 0
         self._cursor = _Cursor(0, 0, 0)
         self._num_batches = 0
+        self._epoch_started = False
         self._eod = False
         self._source: _BatchSource | None = None
         self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
@@ -393,11 +405,12 @@ class PretrainingReader(DataReader[SequenceBatch]):
         num_wanted = self._num_accumulate
 
         if self._max_num_batches is not None:
-            # Every rank reaches the cap at the same call: the ranks agree on
-            # the number of batches of every call.
             num_wanted = min(num_wanted, self._max_num_batches - self._num_batches)
 
-            if num_wanted == 0:
+            # Until the first, every rank reaches the cap at the same call (the
+            # ranks agree on the number of batches of every call); until the
+            # last, a rank at its cap takes part in the others' calls.
+            if num_wanted == 0 and self._sync_mode == SyncMode.UNTIL_FIRST:
                 self._eod = True
 
                 raise StopIteration()
@@ -426,17 +439,31 @@ class PretrainingReader(DataReader[SequenceBatch]):
             batches.append(batch)
             cursors.append(cursor)
 
-        num_batches = self._sync(len(batches), error)
+        counts = self._sync(len(batches), error)
 
-        if num_batches == 0:
-            if self._cursor == _Cursor(0, 0, 0):
+        if self._sync_mode == SyncMode.UNTIL_FIRST:
+            num_batches = min(counts)
+
+            epoch_ends = num_batches == 0
+        else:
+            num_batches = len(batches)
+
+            epoch_ends = max(counts) == 0
+
+        if epoch_ends:
+            # Every rank decides alike: until the first, all ranks have read
+            # the same batches; until the last, all know if any rank has.
+            if not self._epoch_started:
                 raise DataReadError(self._empty_epoch_message())
 
             self._eod = True
 
             raise StopIteration()
 
-        self._cursor = cursors[num_batches - 1]
+        self._epoch_started = True
+
+        if num_batches > 0:
+            self._cursor = cursors[num_batches - 1]
 
         self._num_batches += num_batches
 
@@ -450,14 +477,16 @@ class PretrainingReader(DataReader[SequenceBatch]):
 
         return message
 
-    def _sync(self, num_batches: int, error: Exception | None) -> int:
+    def _sync(self, num_batches: int, error: Exception | None) -> list[int]:
+        """Returns the number of batches each data-parallel rank read in
+        this call, or raises if one of them failed to read."""
         gang = self._gangs.dp
 
         if gang.size == 1:
             if error is not None:
                 raise error
 
-            return num_batches
+            return [num_batches]
 
         local = torch.tensor(
             [num_batches, error is not None], dtype=torch.int64, device=gang.device
@@ -478,7 +507,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
                 f"Data-parallel rank(s) {failed_ranks} failed to read the dataset; see their logs."
             )
 
-        return min(int(t[0]) for t in gathered)
+        return [int(t[0]) for t in gathered]
 
     def _open_source(self) -> _BatchSource:
         packer = DocumentPacker(
@@ -564,6 +593,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._epoch += 1
         self._cursor = _Cursor(0, 0, 0)
         self._num_batches = 0
+        self._epoch_started = False
         self._eod = False
 
     @override
@@ -612,6 +642,7 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._epoch = position[0]
         self._cursor = _Cursor(*position[1:4])
         self._num_batches = position[4]
+        self._epoch_started = self._num_batches > 0 or self._cursor != _Cursor(0, 0, 0)
         self._eod = False
 
     @property

@@ -26,7 +26,7 @@ from fairseq2.data.tokenizers import (
     Tokenizer,
     VocabularyInfo,
 )
-from fairseq2.datasets import SequenceBatch
+from fairseq2.datasets import SequenceBatch, SyncMode
 from fairseq2.device import CPU, Device
 from fairseq2.gang import FakeGang, Gangs, ProcessGroupGang, create_parallel_gangs
 from torch import Tensor
@@ -271,6 +271,22 @@ def run_two_rank_worker(rank: int, world_size: int, port: int, data_dir: str, re
         steps.append([location_of(doc) for doc in unpack_documents_lenient(batches)])
 
     result["steps"] = steps
+
+    # Validation: every rank reads all of its batches, twice (fairseq2's
+    # validator resets the reader after each validation), and with a cap.
+    for name, cap in (("until_last", None), ("until_last_capped", 2)):
+        reader = dataset.create_reader(
+            ByteTokenizer(), gangs, max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False, max_num_batches=cap, sync_mode=SyncMode.UNTIL_LAST  # fmt: skip
+        )
+
+        validations = []
+
+        for _ in range(2):
+            validations.append([[location_of(doc) for doc in unpack_documents_lenient(batches)] if batches else None for batches in reader])  # fmt: skip
+
+            reader.reset()
+
+        result[name] = validations
 
     broken = PretrainingDataset([Path(data_dir, "broken")])
 

@@ -28,6 +28,7 @@ from qwen35_datasets_testing import (
     location_of,
     run_two_rank_worker,
     unpack_documents,
+    unpack_documents_lenient,
     write_text_shards,
 )
 
@@ -636,6 +637,36 @@ class TestPretrainingReader:
         rows_read = {r for step in steps[large_rank] for _, _, r in step}
 
         assert len(rows_read) < 40
+
+        # Until the last (validation), the rank of the large row group reads
+        # all of it while the other gets empty lists, in every validation.
+        validations = [result["until_last"] for result in results]
+
+        assert validations[0][0] == validations[0][1] and validations[1][0] == validations[1][1]
+
+        large, small = validations[large_rank][0], validations[1 - large_rank][0]
+
+        assert len(large) == len(small)
+
+        assert None not in large and small[-1] is None
+
+        # Each rank's batches are those of its row group read alone.
+        for rank, calls in ((large_rank, large), (1 - large_rank, small)):
+            (file_idx,) = files_of_rank[rank]
+
+            alone = PretrainingDataset([tmp_path.joinpath("uneven", f"shard_{file_idx}.parquet")])
+
+            reader = alone.create_reader(ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False)  # fmt: skip
+
+            expected = [[location_of(doc) for doc in unpack_documents_lenient(batches)] for batches in reader]
+
+            assert [call for call in calls if call is not None] == [[list(loc) for loc in call] for call in expected]
+
+        # With a cap, every rank reads up to its cap, and the calls end together.
+        capped = [result["until_last_capped"][0] for result in results]
+
+        assert len(capped[0]) == len(capped[1]) == 2
+        assert capped[large_rank] == large[:2]
 
         # The rank holding shard b fails on its null text; the other one is
         # told so instead of waiting.

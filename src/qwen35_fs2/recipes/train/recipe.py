@@ -8,8 +8,11 @@ from typing import final
 
 from typing_extensions import override
 
+from fairseq2.data.tokenizers import Tokenizer
+from fairseq2.datasets import DataReader, SequenceBatch, SyncMode
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
+from fairseq2.recipe.error import RecipeError
 from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
@@ -19,6 +22,7 @@ from qwen35_fs2.recipes.common import (
     check_pretraining_vocabulary,
     check_valid_files_apart,
 )
+from qwen35_fs2.recipes.idle_batches import IdleBatchReader
 from qwen35_fs2.recipes.synthetic import SYNTHETIC_SCHEME, materialize_synthetic_dataset
 from qwen35_fs2.recipes.train.config import ParquetTextSource, PretrainConfig
 
@@ -44,25 +48,32 @@ class PretrainRecipe(LMTrainingRecipe):
             max_num_batches=None,
         )
 
+        valid_reader: DataReader[SequenceBatch] | None
+
         if section.valid is None:
             valid_reader = None
         else:
-            valid_reader = self._create_reader(
+            # Every rank evaluates all of its batches (up to the cap), and runs
+            # idle batches while other ranks evaluate theirs.
+            valid_batches = self._create_reader(
                 context,
                 section.valid,
                 num_accumulate=1,
                 shuffle=False,
                 drop_remainder=False,
                 max_num_batches=section.max_num_valid_batches,
+                sync_mode=SyncMode.UNTIL_LAST,
             )
 
             # A `valid` source of the same Hugging Face dataset as `train`
             # takes the same default `hf_allow_patterns`.
             check_valid_files_apart(
                 train_reader.files,
-                valid_reader.files,
+                valid_batches.files,
                 hint="Give `valid` other paths, or other `hf_allow_patterns`.",
             )
+
+            valid_reader = IdleBatchReader(valid_batches, _idle_token(tokenizer))
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
@@ -77,6 +88,7 @@ class PretrainRecipe(LMTrainingRecipe):
         shuffle: bool,
         drop_remainder: bool,
         max_num_batches: int | None,
+        sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
     ) -> PretrainingReader:
         config = context.get_config_as(PretrainConfig)
 
@@ -99,12 +111,26 @@ class PretrainRecipe(LMTrainingRecipe):
             drop_remainder=drop_remainder,
             max_num_batches=max_num_batches,
             prefetch=section.prefetch,
+            sync_mode=sync_mode,
         )
 
     @property
     @override
     def config_kls(self) -> type[object]:
         return PretrainConfig
+
+
+def _idle_token(tokenizer: Tokenizer) -> int:
+    """Returns the token of the idle batches of validation: they have no
+    target, so any token of the vocabulary does; the pad token if any."""
+    vocab_info = tokenizer.vocab_info
+
+    token = vocab_info.pad_idx if vocab_info.pad_idx is not None else vocab_info.eos_idx
+
+    if token is None:
+        raise RecipeError("The tokenizer must have a pad or an end-of-sequence token, but has neither.")
+
+    return token
 
 
 def _resolve_synthetic(path: str) -> str:
