@@ -10,7 +10,7 @@ import json
 from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TextIO, cast, final
+from typing import Any, Final, TextIO, cast, final
 
 import torch
 from torch import Tensor
@@ -111,6 +111,61 @@ class SpeculativeDecodingSection:
     a two-token pass can make one)."""
 
 
+GENERATION_PAD_TOKEN: Final = "<|vision_pad|>"
+"""The pad token of the generation recipes' tokenizer, a token that a text
+model never writes: the tokenizer's default pad, ``<|endoftext|>``, ends
+responses, and fairseq2's generators never choose the pad token."""
+
+# The tokens that end a Qwen3.5 response besides the tokenizer's EOS: the
+# chat turn's end and the document's, the `eos_token_id` of the released
+# models' generation config, at which transformers and vLLM stop.
+_STOP_TOKENS: Final = ("<|im_end|>", "<|endoftext|>")
+
+
+def get_stop_indices(tokenizer: Tokenizer) -> frozenset[int]:
+    """Returns the tokens at which a response ends: the tokenizer's EOS and
+    ``<|im_end|>`` and ``<|endoftext|>`` where the vocabulary has them.
+
+    fairseq2's sequence generators stop at the EOS token alone; a response
+    is cut after the first of the others (:class:`ResponseUnit`), so that a
+    model that ends its text with ``<|endoftext|>`` (a base model, a
+    continued-pretraining checkpoint) is scored on that text, not on what it
+    writes after it.
+    """
+    indices = set() if tokenizer.vocab_info.eos_idx is None else {tokenizer.vocab_info.eos_idx}
+
+    encoder = tokenizer.create_raw_encoder()
+
+    for token in _STOP_TOKENS:
+        token_indices = encoder(token).tolist()
+
+        if len(token_indices) == 1:
+            indices.add(token_indices[0])
+
+    return frozenset(indices)
+
+
+def check_generation_pad(tokenizer: Tokenizer) -> None:
+    """Raises :class:`RecipeError` if the pad token of ``tokenizer`` ends
+    responses: fairseq2's generators, and ours, never choose the pad token,
+    so the model could not end a response with it."""
+    stop_indices = get_stop_indices(tokenizer)
+
+    pad_idx = tokenizer.vocab_info.pad_idx
+
+    if pad_idx in stop_indices:
+        raise RecipeError(
+            f"The tokenizer's pad token must not be a token that ends responses ({', '.join(map(str, sorted(stop_indices)))}), since the generator never chooses the pad token, but is {pad_idx} instead. Set `tokenizer.config_overrides.pad_token` to a token that the model never writes, such as {GENERATION_PAD_TOKEN} (the default)."
+        )
+
+
+def _cut_after_stop(seq: Tensor, stop_indices: frozenset[int]) -> Tensor:
+    """Returns ``seq`` up to and with its first token of ``stop_indices``."""
+    stops = torch.isin(seq, torch.tensor(sorted(stop_indices), device=seq.device)).nonzero()
+
+    return seq if stops.numel() == 0 else seq[: int(stops[0]) + 1]
+
+
 def validate_response_generator(section: SequenceGeneratorSection) -> ValidationResult:
     """Checks that the sequence generator of a response recipe returns the
     responses alone: with ``echo_prompt`` its outputs would start with the
@@ -155,6 +210,8 @@ def create_response_task(
     """Returns the task that generates a response to each of ``examples``
     with ``unit_kls``, writing to ``OUTPUT_DIR/<output_name>/``."""
     tokenizer = context.get_tokenizer()
+
+    check_generation_pad(tokenizer)
 
     generator = context.get_seq_generator()
 
@@ -215,7 +272,7 @@ def _create_speculative_decoder(
             "`model` must have an MTP head (`mtp_num_layers: 1`, as the released checkpoints) when `speculative_decoding.enabled` is `True`, but has none."
         )
 
-    return GreedyDecoder(model, tokenizer.vocab_info, max_gen_len=config.max_gen_len, mtp=mtp)
+    return GreedyDecoder(model, tokenizer.vocab_info, max_gen_len=config.max_gen_len, mtp=mtp, stop_indices=get_stop_indices(tokenizer))
 
 
 def create_prompt_reader(
@@ -314,6 +371,7 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
             in place of ``generator``.
         """
         self._generator = generator
+        self._stop_indices = get_stop_indices(tokenizer)
         self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
         self._output_stream = output_stream
         self._speculative_decoder = speculative_decoder
@@ -348,6 +406,8 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
             response_seqs = self._generate(seqs, seqs_layout, metric_bag)
         else:
             response_seqs = self._generate_speculatively(seqs, seqs_layout, metric_bag)
+
+        response_seqs = [_cut_after_stop(seq, self._stop_indices) for seq in response_seqs]
 
         responses = [self._decoder(seq) for seq in response_seqs]
 

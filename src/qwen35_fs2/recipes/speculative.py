@@ -23,6 +23,7 @@ trunk's output at ``t`` and the token at ``t + 1``, both final when it runs.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import final
 
@@ -77,8 +78,9 @@ class GreedyDecoder:
     tokens (see the module docstring for where the last bits may differ).
 
     As fairseq2's sequence generators, the decoder never chooses the pad
-    token, and it stops after the end-of-sequence token or ``max_gen_len``
-    tokens, or when the sequence reaches the model's ``max_seq_len``.
+    token, and it stops after the end-of-sequence token (or any of
+    ``stop_indices``) or ``max_gen_len`` tokens, or when the sequence
+    reaches the model's ``max_seq_len``.
     """
 
     def __init__(
@@ -88,7 +90,12 @@ class GreedyDecoder:
         *,
         max_gen_len: int,
         mtp: Qwen35MultiTokenPredictor | None = None,
+        stop_indices: Collection[int] = (),
     ) -> None:
+        """
+        :param stop_indices: Tokens that end a response besides the
+            end-of-sequence token.
+        """
         if max_gen_len < 1:
             raise ValueError(
                 f"`max_gen_len` must be greater than or equal to 1, but is {max_gen_len} instead."
@@ -105,7 +112,7 @@ class GreedyDecoder:
         self._model = model
         self._embed = embed
         self._mtp = mtp
-        self._eos_idx = vocab_info.eos_idx
+        self._stop_indices = frozenset([vocab_info.eos_idx, *stop_indices])
         self._pad_idx = vocab_info.pad_idx
         self._max_gen_len = max_gen_len
 
@@ -234,7 +241,7 @@ class GreedyDecoder:
         return IncrementalStateBag(prompt.numel() + max_gen_len + 2)
 
     def _done(self, tokens: list[Tensor], max_gen_len: int) -> bool:
-        return len(tokens) >= max_gen_len or int(tokens[-1]) == self._eos_idx
+        return len(tokens) >= max_gen_len or int(tokens[-1]) in self._stop_indices
 
     def _run_trunk(self, seqs: Tensor, state_bag: IncrementalStateBag) -> Tensor:
         """Passes ``seqs`` through the trunk after the tokens of

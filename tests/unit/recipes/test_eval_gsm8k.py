@@ -4,6 +4,7 @@ import io
 import json
 from unittest.mock import Mock
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -11,10 +12,11 @@ from fairseq2.gang import create_fake_gangs
 from fairseq2.generation import GenerationCounters, Hypothesis, SequenceGenerator, SequenceGeneratorOutput
 from fairseq2.metrics import Mean, MetricBag, Sum
 from fairseq2.nn import BatchLayout
+from fairseq2.recipe.error import RecipeError
 
-from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer, Qwen35TokenizerConfig, get_qwen35_tokenizer_dir, load_qwen35_tokenizer
 from qwen35_fs2.recipes.eval_gsm8k import Gsm8kEvalUnit
-from qwen35_fs2.recipes.generation import create_prompt_reader
+from qwen35_fs2.recipes.generation import GENERATION_PAD_TOKEN, check_generation_pad, create_prompt_reader, get_stop_indices
 from qwen35_fs2.recipes.instruction import ChatEncoder
 
 CPU = torch.device("cpu")
@@ -25,8 +27,14 @@ _EXAMPLES = [
     {"id": "c", "prompt": "Half of 7?", "response": "7 / 2 = <<7/2=3.5>>3.5\n#### 3.5"},
 ]
 
-# The model's answers: right in another notation, wrong, right without a marker.
-_GENERATIONS = ["So the total is 1234.\n#### 1234", "It is 7.\n#### 7", "Half of 7 is 3.50 apples."]
+# The model's answers: right in another notation (then `<|endoftext|>`, and a
+# text of its own after it, as a base model may go on), wrong, right without
+# a marker.
+_GENERATIONS = [
+    "So the total is 1234.\n#### 1234<|endoftext|>Question: What is 2 + 3?\nAnswer: 5\n#### 5",
+    "It is 7.\n#### 7",
+    "Half of 7 is 3.50 apples.",
+]
 
 
 def _fake_generator(tokenizer: Qwen35Tokenizer, prompts: list[Tensor]) -> SequenceGenerator:
@@ -77,6 +85,9 @@ class TestGsm8kEvalUnit:
         ]
 
         assert records[1]["generation"] == _GENERATIONS[1]
+
+        # The response ends at `<|endoftext|>`, as transformers stops there.
+        assert records[0]["generation"] == "So the total is 1234.\n#### 1234"
 
         assert records[0]["question"] == _EXAMPLES[0]["prompt"]
 
@@ -151,3 +162,21 @@ class TestMtpAcceptanceInEvaluation:
         assert 0 < accepted < counted, (accepted, counted)
 
         assert float(metric_bag.get("mtp_acceptance", Mean).compute()) == accepted / counted
+
+
+class TestStopTokens:
+    def test_responses_end_at_im_end_and_endoftext_whatever_the_eos(self, tokenizer: Qwen35Tokenizer) -> None:
+        # The released generation config's `eos_token_id`.
+        assert get_stop_indices(tokenizer) == {248_046, 248_044}
+
+        documents = load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(eos_token="<|endoftext|>", pad_token=GENERATION_PAD_TOKEN))
+
+        assert get_stop_indices(documents) == {248_046, 248_044}
+
+    def test_a_pad_token_that_ends_responses_is_a_clear_error(self, tokenizer: Qwen35Tokenizer) -> None:
+        # The generators never choose the pad token: with `<|endoftext|>` as
+        # pad, a model could not end a response with it.
+        with pytest.raises(RecipeError, match=r"The tokenizer's pad token must not be a token that ends responses \(248044, 248046\), since the generator never chooses the pad token, but is 248044 instead\."):
+            check_generation_pad(tokenizer)
+
+        check_generation_pad(load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(pad_token=GENERATION_PAD_TOKEN)))

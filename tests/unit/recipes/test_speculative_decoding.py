@@ -186,6 +186,26 @@ def _check_drafts(model: TransformerLM, prompt: Tensor, output: DecodingOutput) 
     assert output.drafts[drafted].tolist() == predictions[positions].tolist()
 
 
+class TestStopIndices:
+    def test_both_ways_stop_after_a_stop_token_as_after_eos(self) -> None:
+        model = _make_model("dense")
+
+        prompt = torch.tensor([3, 17, 42, 8], dtype=torch.int64)
+
+        free = GreedyDecoder(model, _VOCAB_INFO, max_gen_len=_MAX_GEN_LEN, mtp=_get_mtp(model)).plain(prompt).tokens
+
+        # The third token of the free run made a stop token: both ways end
+        # right after it, with the same tokens.
+        stop = int(free[2])
+
+        assert stop not in free[:2].tolist() and stop != _VOCAB_INFO.eos_idx
+
+        decoder = GreedyDecoder(model, _VOCAB_INFO, max_gen_len=_MAX_GEN_LEN, mtp=_get_mtp(model), stop_indices=[stop])
+
+        assert decoder.plain(prompt).tokens.tolist() == free[:3].tolist()
+        assert decoder.speculative(prompt).tokens.tolist() == free[:3].tolist()
+
+
 class TestBadInput:
     def test_rejects_a_prompt_that_leaves_no_room(self) -> None:
         model = _make_model("dense")
