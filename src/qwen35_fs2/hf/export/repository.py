@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Literal, final
 
@@ -121,19 +121,25 @@ class HfRepository:
 
         return max(counts, key=counts.__getitem__)
 
-    def read(self, keys: Sequence[str]) -> dict[str, Tensor]:
-        """Reads the tensors under ``keys``, opening each file once."""
-        by_file: dict[Path, list[str]] = {}
+    def read(self, entries: Mapping[str, SafetensorsTensor]) -> dict[str, Tensor]:
+        """Reads the tensors of ``entries``, entries of this repository, and
+        returns them under the names of ``entries``, opening each file once.
+        The names may be other than the repository's: a text-only export
+        names a nested MTP head's tensors without the ``model.language_model``
+        prefix."""
+        keys = {(entry.file, entry.offset): key for key, entry in self.tensors.items()}
 
-        for key in keys:
-            by_file.setdefault(self.tensors[key].file, []).append(key)
+        by_file: dict[Path, list[tuple[str, str]]] = {}
+
+        for name, entry in entries.items():
+            by_file.setdefault(entry.file, []).append((name, keys[entry.file, entry.offset]))
 
         tensors = {}
 
-        for file, file_keys in by_file.items():
+        for file, names in by_file.items():
             with safe_open(file, framework="pt") as reader:
-                for key in file_keys:
-                    tensors[key] = reader.get_tensor(key)
+                for name, key in names:
+                    tensors[name] = reader.get_tensor(key)
 
         return tensors
 

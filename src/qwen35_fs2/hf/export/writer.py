@@ -242,13 +242,13 @@ def _write_shards(plan: HfExportPlan, staging_dir: Path, max_shard_size: int) ->
 def _materialize(plan: HfExportPlan, keys: Sequence[str]) -> dict[str, Tensor]:
     """Returns the tensors of one shard on the CPU in their export dtypes,
     each in storage of its own as safetensors requires."""
-    copied_keys = [k for k in keys if isinstance(plan.tensors[k].source, SafetensorsTensor)]
+    copied_entries = {k: source for k in keys if isinstance(source := plan.tensors[k].source, SafetensorsTensor)}
 
-    if copied_keys:
+    if copied_entries:
         if plan.base is None:
             raise RuntimeError("A tensor to copy from the base has no base.")
 
-        copied = plan.base.read(copied_keys)
+        copied = plan.base.read(copied_entries)
     else:
         copied = {}
 

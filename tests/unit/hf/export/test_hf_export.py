@@ -507,6 +507,28 @@ class TestHuggingFaceConverter:
 
 
 class TestWriteHfExport:
+    def test_text_only_copies_a_nested_mtp_head_of_the_base(self, tmp_path: Path) -> None:
+        # Some re-exports nest the head under `model.language_model.`; the
+        # text-only export names it `mtp.*` and must read it by its base name.
+        config = _untied_tiny_config()
+
+        base_tensors = _make_vlm_base(tmp_path / "base", config)
+
+        nested = {(f"model.language_model.{k}" if k.startswith("mtp.") else k): v for k, v in base_tensors.items()}
+
+        save_file(nested, tmp_path / "base" / "model.safetensors", metadata={"format": "pt"})
+
+        model = create_qwen35_model(config)
+
+        model.load_state_dict(convert_qwen35_state_dict(dict(base_tensors), config))
+
+        save_hf_model(model, tmp_path / "out", base=tmp_path / "base", text_only=True)
+
+        out_tensors = read_safetensors_dir(tmp_path / "out")
+
+        for key in ("mtp.fc.weight", "mtp.layers.0.input_layernorm.weight"):
+            assert torch.equal(out_tensors[key], base_tensors[key]), key
+
     def test_round_trips_a_vlm_base_with_visual_mtp_and_files(self, tmp_path: Path) -> None:
         config = _untied_tiny_config()
 
