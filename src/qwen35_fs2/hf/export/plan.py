@@ -256,14 +256,16 @@ def plan_hf_export(
 
     copied_files = [] if base is None else _files_to_copy(base.path, vision=is_vlm)
 
-    if base is not None and not holds_tokenizer(base.path):
+    base_has_tokenizer = base is not None and holds_tokenizer(base.path)
+
+    if base is not None and not base_has_tokenizer:
         # fairseq2 downloads a Hub model's weights and config alone.
         if tokenizer_dir is None:
             log.warning("{} holds no tokenizer, and none is given: the export has none.", base.path)
         else:
             log.info("{} holds no tokenizer: the export ships {}'s, and its end tokens as generation defaults unless the base has some.", base.path, tokenizer_dir)  # fmt: skip
 
-    if tokenizer_dir is not None and (base is None or not holds_tokenizer(base.path)):
+    if tokenizer_dir is not None and not base_has_tokenizer:
         copied_names = {f.name for f in copied_files}
 
         # Ours replaces the tokenizer's generation defaults, if it has any.

@@ -60,6 +60,9 @@ class HfRepository:
         self.config = config
         self.tensors = tensors
 
+        # The name of each tensor by its place, for `read`.
+        self._keys = {(entry.file, entry.offset): key for key, entry in tensors.items()}
+
     @staticmethod
     def open(path: str | Path) -> HfRepository:
         path = Path(path)
@@ -127,12 +130,10 @@ class HfRepository:
         The names may be other than the repository's: a text-only export
         names a nested MTP head's tensors without the ``model.language_model``
         prefix."""
-        keys = {(entry.file, entry.offset): key for key, entry in self.tensors.items()}
-
         by_file: dict[Path, list[tuple[str, str]]] = {}
 
         for name, entry in entries.items():
-            by_file.setdefault(entry.file, []).append((name, keys[entry.file, entry.offset]))
+            by_file.setdefault(entry.file, []).append((name, self._keys[entry.file, entry.offset]))
 
         tensors = {}
 
