@@ -387,6 +387,11 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
 
     @property
+    def pad_value(self) -> int:
+        """The token that pads the last, partial batch of an epoch."""
+        return self._pad_value
+
+    @property
     def files(self) -> list[Path]:
         """The parquet files the reader reads, as absolute paths (not
         resolved: a Hugging Face cache links equal files to one blob), in

@@ -8,11 +8,9 @@ from typing import final
 
 from typing_extensions import override
 
-from fairseq2.data.tokenizers import Tokenizer
 from fairseq2.datasets import DataReader, SequenceBatch, SyncMode
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.recipe.base import RecipeContext
-from fairseq2.recipe.error import RecipeError
 from fairseq2.task import Task
 from fairseq2.utils.uri import Uri
 
@@ -73,7 +71,7 @@ class PretrainRecipe(LMTrainingRecipe):
                 hint="Give `valid` other paths, or other `hf_allow_patterns`.",
             )
 
-            valid_reader = IdleBatchReader(valid_batches, _idle_token(tokenizer))
+            valid_reader = IdleBatchReader(valid_batches, valid_batches.pad_value)
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
@@ -118,19 +116,6 @@ class PretrainRecipe(LMTrainingRecipe):
     @override
     def config_kls(self) -> type[object]:
         return PretrainConfig
-
-
-def _idle_token(tokenizer: Tokenizer) -> int:
-    """Returns the token of the idle batches of validation: they have no
-    target, so any token of the vocabulary does; the pad token if any."""
-    vocab_info = tokenizer.vocab_info
-
-    token = vocab_info.pad_idx if vocab_info.pad_idx is not None else vocab_info.eos_idx
-
-    if token is None:
-        raise RecipeError("The tokenizer must have a pad or an end-of-sequence token, but has neither.")
-
-    return token
 
 
 def _resolve_synthetic(path: str) -> str:
