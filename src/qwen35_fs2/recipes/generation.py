@@ -37,6 +37,7 @@ from fairseq2.recipe.config import (
     BeamSearchConfig,
     SamplingConfig,
     SequenceGeneratorSection,
+    TokenizerSection,
     TopKSamplerConfig,
 )
 from fairseq2.recipe.error import RecipeError
@@ -44,6 +45,7 @@ from fairseq2.recipe.generator import GeneratorUnit
 from fairseq2.task import Task
 from fairseq2.utils.validation import ValidationResult
 
+from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.recipes.loss import compute_mtp_loss
 from qwen35_fs2.recipes.speculative import GreedyDecoder
@@ -115,6 +117,12 @@ GENERATION_PAD_TOKEN: Final = "<|vision_pad|>"
 """The pad token of the generation recipes' tokenizer, a token that a text
 model never writes: the tokenizer's default pad, ``<|endoftext|>``, ends
 responses, and fairseq2's generators never choose the pad token."""
+
+
+def generation_tokenizer_section() -> TokenizerSection:
+    """The default ``tokenizer`` section of the generation recipes: the
+    Qwen3.5 tokenizer, padding with :data:`GENERATION_PAD_TOKEN`."""
+    return TokenizerSection(name=QWEN35_TOKENIZER_ASSET, config_overrides={"pad_token": GENERATION_PAD_TOKEN})
 
 # The tokens that end a Qwen3.5 response besides the tokenizer's EOS: the
 # chat turn's end and the document's, the `eos_token_id` of the released

@@ -16,11 +16,10 @@ from fairseq2.recipe.config import (
 )
 from fairseq2.utils.validation import ValidationResult
 
-from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.recipes.generation import (
-    GENERATION_PAD_TOKEN,
     PromptDatasetSection,
     SpeculativeDecodingSection,
+    generation_tokenizer_section,
     validate_response_generator,
 )
 
@@ -39,12 +38,7 @@ class GenerateConfig:
 
     dataset: PromptDatasetSection = field(default_factory=lambda: PromptDatasetSection())
 
-    tokenizer: TokenizerSection = field(
-        default_factory=lambda: TokenizerSection(
-            name=QWEN35_TOKENIZER_ASSET,
-            config_overrides={"pad_token": GENERATION_PAD_TOKEN},
-        )
-    )
+    tokenizer: TokenizerSection = field(default_factory=generation_tokenizer_section)
     """The tokenizer; its pad token must be none that ends a response (see
     :data:`~qwen35_fs2.recipes.generation.GENERATION_PAD_TOKEN`)."""
 
