@@ -27,15 +27,13 @@ from pathlib import Path
 from typing import Final, final
 
 import yaml
-from torch import Tensor
 from typing_extensions import override
 
 from fairseq2.error import StateDictError
-from fairseq2.nn.data_parallel import DataParallelFacade
-from fairseq2.typing import ContextManager
 
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.nn.lora import is_lora_key
+from qwen35_fs2.parallel.facade import DelegatingFacade
 
 LORA_BASE_FILE: Final = "lora_base.yaml"
 """The record of a LoRA run's base, in its checkpoint directory."""
@@ -136,7 +134,7 @@ def check_lora_base(recorded: LoraBase, path: Path) -> None:
 
 
 @final
-class LoraCheckpointFacade(DataParallelFacade):
+class LoraCheckpointFacade(DelegatingFacade):
     """The data-parallel facade of a LoRA model: ``facade``'s, except that
     the model's state is its adapters alone.
 
@@ -147,9 +145,6 @@ class LoraCheckpointFacade(DataParallelFacade):
     FSDP) and leaves the base, read from its own checkpoint, as it is when
     they are restored.
     """
-
-    def __init__(self, facade: DataParallelFacade) -> None:
-        self._facade = facade
 
     @override
     def state_dict(self) -> dict[str, object]:
@@ -180,16 +175,3 @@ class LoraCheckpointFacade(DataParallelFacade):
         full_state_dict.update(state_dict)
 
         self._facade.load_state_dict(full_state_dict)
-
-    @override
-    def no_sync(self) -> ContextManager[None]:
-        return self._facade.no_sync()
-
-    @override
-    def clip_grad_norm(self, max_norm: float | None) -> Tensor:
-        return self._facade.clip_grad_norm(max_norm)
-
-    @override
-    def summon_full_parameters(self) -> ContextManager[None]:
-        return self._facade.summon_full_parameters()
-

@@ -16,7 +16,7 @@ data-parallel facade with :func:`clip_grad_norm_over_ranks`.
 from __future__ import annotations
 
 from collections.abc import Set
-from typing import ContextManager, final
+from typing import final
 
 import torch
 from torch import Tensor
@@ -28,6 +28,8 @@ from fairseq2.error import NotSupportedError
 from fairseq2.gang import Gangs, ReduceOperation
 from fairseq2.nn.data_parallel import DataParallelFacade
 from fairseq2.nn.sharded import Sharded
+
+from qwen35_fs2.parallel.facade import DelegatingFacade
 
 
 def tensor_parallel_shards(module: Module) -> frozenset[int]:
@@ -106,32 +108,17 @@ def clip_grad_norm_over_ranks(
 
 
 @final
-class ShardedGradClipFacade(DataParallelFacade):
+class ShardedGradClipFacade(DelegatingFacade):
     """``facade``, the data-parallel facade of ``module``, except that it
     clips gradients with :func:`clip_grad_norm_over_ranks`."""
 
     def __init__(self, facade: DataParallelFacade, module: Module, gangs: Gangs) -> None:
-        self._facade = facade
+        super().__init__(facade)
+
         self._module = module
         self._gangs = gangs
         self._tp_shards = tensor_parallel_shards(module)
 
     @override
-    def state_dict(self) -> dict[str, object]:
-        return self._facade.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        self._facade.load_state_dict(state_dict)
-
-    @override
-    def no_sync(self) -> ContextManager[None]:
-        return self._facade.no_sync()
-
-    @override
     def clip_grad_norm(self, max_norm: float | None) -> Tensor:
         return clip_grad_norm_over_ranks(self._module, max_norm, self._gangs, self._tp_shards)
-
-    @override
-    def summon_full_parameters(self) -> ContextManager[None]:
-        return self._facade.summon_full_parameters()
