@@ -90,7 +90,7 @@ def write_lora_run(run_dir: Path) -> Path:
 
     wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", "qwen35", config)
 
-    save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir))
+    save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir, LORA_RUN_CONFIG))
 
     lora = resolver.resolve(ValueConverter).unstructure(LORA_RUN_CONFIG)  # type: ignore[type-abstract]
 

@@ -10,19 +10,27 @@ LoRA run (:class:`LoraCheckpointFacade`) gives it the adapters alone.
 The base is recorded once per run, in ``lora_base.yaml`` next to fairseq2's
 ``model.yaml`` in the checkpoint directory (:func:`save_lora_base`): its
 directory and a fingerprint of its safetensors headers (every tensor's name,
-dtype, shape and place in its file). Adapters put on another base would
-compute something no run trained, so reading them onto a base of another
-directory or fingerprint is an error (:func:`check_lora_base`). The
-fingerprint tells a base of another architecture, dtype or layout and a
-re-saved one apart; it reads no tensor data, so weights overwritten in
-place with others of the same shapes go unnoticed.
+dtype, shape and place in its file), and the adapters' configuration the run
+started with. Adapters put on another base would compute something no run
+trained, so reading them onto a base of another directory or fingerprint is
+an error (:func:`check_lora_base`). The fingerprint tells a base of another
+architecture, dtype or layout and a re-saved one apart; it reads no tensor
+data, so weights overwritten in place with others of the same shapes go
+unnoticed.
+
+The adapters' configuration is recorded because fairseq2 rewrites the run's
+``config.yaml`` whenever the run is started again: a resumed run with another
+``alpha`` or ``rslora`` would scale the same adapters differently, and every
+earlier checkpoint would then be exported with the new scale. A resumed
+run's configuration must be the recorded one (:func:`check_lora_config`),
+and exports take the recorded one.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, final
 
@@ -30,8 +38,10 @@ import yaml
 from typing_extensions import override
 
 from fairseq2.error import StateDictError
+from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
 from qwen35_fs2.hf.safetensors import index_safetensors
+from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.nn.lora import is_lora_key
 from qwen35_fs2.parallel.facade import DelegatingFacade
 
@@ -55,6 +65,9 @@ class LoraBase:
     fingerprint: str
     """The SHA-256 of its safetensors headers (:func:`fingerprint_hf_checkpoint`)."""
 
+    lora: LoraConfig
+    """The configuration of the adapters the run put on it."""
+
 
 def fingerprint_hf_checkpoint(path: Path) -> str:
     """Returns the SHA-256 of the headers of the safetensors files of the
@@ -68,10 +81,10 @@ def fingerprint_hf_checkpoint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def describe_lora_base(path: Path) -> LoraBase:
+def describe_lora_base(path: Path, lora: LoraConfig) -> LoraBase:
     """Returns the record of the Hugging Face checkpoint directory ``path``
-    as the base of a LoRA run."""
-    return LoraBase(path.resolve(), fingerprint_hf_checkpoint(path))
+    as the base of a LoRA run with the adapters of ``lora``."""
+    return LoraBase(path.resolve(), fingerprint_hf_checkpoint(path), lora)
 
 
 def save_lora_base(checkpoint_dir: Path, base: LoraBase) -> None:
@@ -83,7 +96,9 @@ def save_lora_base(checkpoint_dir: Path, base: LoraBase) -> None:
 
     tmp_file = file.with_name(f"{file.name}.tmp")
 
-    tmp_file.write_text(yaml.safe_dump({"path": str(base.path), "fingerprint": base.fingerprint}), encoding="utf-8")
+    record = {"path": str(base.path), "fingerprint": base.fingerprint, "lora": asdict(base.lora)}
+
+    tmp_file.write_text(yaml.safe_dump(record, sort_keys=False), encoding="utf-8")
 
     os.replace(tmp_file, file)
 
@@ -105,10 +120,22 @@ def load_lora_base(checkpoint_dir: Path) -> LoraBase:
     except (OSError, yaml.YAMLError) as ex:
         raise LoraBaseError(f"{file} cannot be read: {ex}") from None
 
-    if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not isinstance(record.get("fingerprint"), str):
-        raise LoraBaseError(f"{file} must hold the `path` and `fingerprint` of a base model, but does not.")
+    if (
+        not isinstance(record, dict)
+        or not isinstance(record.get("path"), str)
+        or not isinstance(record.get("fingerprint"), str)
+        or not isinstance(record.get("lora"), dict)
+    ):
+        raise LoraBaseError(f"{file} must hold the `path` and `fingerprint` of a base model and the `lora` configuration of its adapters, but does not.")
 
-    return LoraBase(Path(record["path"]), record["fingerprint"])
+    try:
+        lora = LoraConfig(**record["lora"])
+
+        StandardObjectValidator().validate(lora)
+    except (TypeError, ValidationError) as ex:
+        raise LoraBaseError(f"The `lora` configuration in {file} must be one of LoRA adapters, but is not: {ex}") from None
+
+    return LoraBase(Path(record["path"]), record["fingerprint"], lora)
 
 
 def check_lora_base(recorded: LoraBase, path: Path) -> None:
@@ -118,19 +145,42 @@ def check_lora_base(recorded: LoraBase, path: Path) -> None:
 
     :raises LoraBaseError: if it is not.
     """
-    given = describe_lora_base(path)
+    given_path = path.resolve()
 
-    if given.path != recorded.path:
+    if given_path != recorded.path:
         raise LoraBaseError(
-            f"The base model must be the one the LoRA adapters of the checkpoints were trained on, {recorded.path}, but is {given.path} instead. "
+            f"The base model must be the one the LoRA adapters of the checkpoints were trained on, {recorded.path}, but is {given_path} instead. "
             "Set `model.path` (or `model.name`) to that base, or start a new run in another output directory."
         )
 
-    if given.fingerprint != recorded.fingerprint:
+    fingerprint = fingerprint_hf_checkpoint(path)
+
+    if fingerprint != recorded.fingerprint:
         raise LoraBaseError(
-            f"The base model {given.path} must be the one the LoRA adapters of the checkpoints were trained on, but its safetensors have changed since (their fingerprint is {given.fingerprint} instead of {recorded.fingerprint}). "
+            f"The base model {given_path} must be the one the LoRA adapters of the checkpoints were trained on, but its safetensors have changed since (their fingerprint is {fingerprint} instead of {recorded.fingerprint}). "
             "Restore that base, or start a new run in another output directory."
         )
+
+
+# The settings that make what the adapters compute: `dropout_p` acts in
+# training alone, and a resumed run may change it.
+_LORA_FUNCTION_FIELDS: Final = ("target_modules", "target_parameters", "r", "alpha", "rslora")
+
+
+def check_lora_config(recorded: LoraBase, lora: LoraConfig) -> None:
+    """Checks that ``lora``, the ``lora`` section of a resumed run, puts on
+    the adapters that its checkpoints were trained with, as ``recorded``.
+
+    :raises LoraBaseError: if it does not.
+    """
+    for name in _LORA_FUNCTION_FIELDS:
+        value, recorded_value = getattr(lora, name), getattr(recorded.lora, name)
+
+        if value != recorded_value:
+            raise LoraBaseError(
+                f"`lora.{name}` must be the one the LoRA adapters of the checkpoints were trained with, {recorded_value}, but is {value} instead. "
+                "Set it back to resume the run, or start a new run in another output directory."
+            )
 
 
 @final

@@ -37,6 +37,7 @@ from qwen35_fs2.lora.checkpoint import (
     LoraBaseError,
     LoraCheckpointFacade,
     check_lora_base,
+    check_lora_config,
     describe_lora_base,
     load_lora_base,
     save_lora_base,
@@ -53,15 +54,16 @@ def setup_lora(context: RecipeContext, model: Module, config: LoraConfig) -> Non
     """Freezes ``model`` and puts the adapters of ``config`` on it; call it
     in ``Recipe.setup_model`` before the model is sharded.
 
-    A new run records its base in the checkpoint directory. In a resumed run
-    fairseq2 creates the model without its base; its base is then read
-    again from the Hugging Face checkpoint of the ``model`` section, by
+    A new run records its base and ``config`` in the checkpoint directory.
+    In a resumed run fairseq2 creates the model without its base; its base
+    is then read again from the Hugging Face checkpoint of the ``model``
+    section, by
     :func:`~qwen35_fs2.hf.sharded_loading.finish_sharded_checkpoint_loading`
     as in a new run.
 
     :raises RecipeError: if the model does not start from a Hugging Face
-        checkpoint (a new model), or a resumed run's base is not the one its
-        checkpoints recorded.
+        checkpoint (a new model), or a resumed run's base or adapters are not
+        the ones its checkpoints recorded.
     """
     loading = context.resolver.maybe_resolve(ShardedCheckpointLoading)
 
@@ -74,7 +76,7 @@ def setup_lora(context: RecipeContext, model: Module, config: LoraConfig) -> Non
 
     if checkpoint is not None:
         if context.gangs.root.rank == 0:
-            save_lora_base(checkpoint_dir, describe_lora_base(checkpoint.path))
+            save_lora_base(checkpoint_dir, describe_lora_base(checkpoint.path, config))
     else:
         if not context.get_checkpoint_manager().has_checkpoint(exclude_model_only=True):
             raise RecipeError(_NO_BASE_MESSAGE)
@@ -82,7 +84,11 @@ def setup_lora(context: RecipeContext, model: Module, config: LoraConfig) -> Non
         checkpoint = _find_base(context, loading, model)
 
         try:
-            check_lora_base(load_lora_base(checkpoint_dir), checkpoint.path)
+            recorded = load_lora_base(checkpoint_dir)
+
+            check_lora_base(recorded, checkpoint.path)
+
+            check_lora_config(recorded, config)
         except LoraBaseError as ex:
             raise RecipeError(str(ex)) from None
 

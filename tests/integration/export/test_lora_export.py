@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,8 +84,9 @@ def _write_lora_run(base_dir: Path, run_dir: Path, family: str) -> Module:
     """Writes the output directory of a LoRA run of ``base_dir`` as the recipe
     leaves it (a checkpoint of the float32 adapters on every target, saved by
     fairseq2's checkpoint manager through the facade the recipe sets, the
-    record of the base, and ``config.yaml`` with ``model.path`` and the
-    ``lora`` section), its adapters random (B too, which training moves from
+    record of the base and the adapters, and ``config.yaml`` with
+    ``model.path`` and a ``lora`` section with another scale than the
+    recorded one), its adapters random (B too, which training moves from
     zero); returns the model."""
     resolver = get_dependency_resolver()
 
@@ -105,9 +107,12 @@ def _write_lora_run(base_dir: Path, run_dir: Path, family: str) -> Module:
 
     wire_object(resolver, StandardModelMetadataDumper).dump(run_dir / "checkpoints", family, config)
 
-    save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir))
+    save_lora_base(run_dir / "checkpoints", describe_lora_base(base_dir, _LORA))
 
-    lora = resolver.resolve(ValueConverter).unstructure(_LORA)  # type: ignore[type-abstract]
+    # As after a resumption refused for other adapters: fairseq2 rewrote
+    # config.yaml with them. The export must scale as the run trained (by
+    # 8 / sqrt(4) = 4, not 24 / 4 = 6).
+    lora = resolver.resolve(ValueConverter).unstructure(replace(_LORA, alpha=3.0 * _LORA.alpha, rslora=False))  # type: ignore[type-abstract]
 
     run_config = {"model": {"name": None, "path": str(base_dir), "family": family, "dtype": "float32"}, "lora": lora}
 

@@ -2,7 +2,8 @@
 from a Hugging Face checkpoint of a random tiny Qwen3.5, on CPU: the loss
 falls, the checkpoints hold the adapters and their optimizer state alone,
 and a run resumed from one of them (its base read again from the Hugging
-Face checkpoint) trains as the uninterrupted run did, bit for bit."""
+Face checkpoint) trains as the uninterrupted run did, bit for bit; resuming
+with another base or other adapters is refused."""
 
 from __future__ import annotations
 
@@ -135,6 +136,12 @@ class TestLoraInstructionFinetuneCPU:
             process = run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, f"model.path={other_base_dir}"], expected_returncode=2)
 
             assert f"trained on, {base_dir.resolve()}, but is {other_base_dir.resolve()} instead." in process.stdout
+
+            # The adapters scaled otherwise: refused too (fairseq2 has
+            # rewritten config.yaml by then; exports take the record's).
+            process = run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, f"model.path={base_dir}", "lora.rslora=true"], expected_returncode=2)
+
+            assert "`lora.rslora` must be the one the LoRA adapters of the checkpoints were trained with, False, but is True instead." in process.stdout
 
             assert not (resumed_dir / "metrics" / "train.jsonl").exists()
 

@@ -21,6 +21,7 @@ from qwen35_fs2.cli.export_hf import main, parse_size
 from qwen35_fs2.hf.export import build_hf_config
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.lora import PEFT_CONFIG_NAME, PEFT_WEIGHTS_NAME
+from qwen35_fs2.lora.checkpoint import LORA_BASE_FILE
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 
@@ -261,23 +262,20 @@ class TestLoraRuns:
         assert f"CHECKPOINT must be of a LoRA run (with a `lora` section in its config.yaml) to be exported with `{flag}`, but step 4 of" in _errors(caplog)
         assert not (tmp_path / "out").exists()
 
-    def test_fails_for_a_lora_section_that_is_no_lora_configuration(self, lora_run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    def test_fails_for_a_lora_run_without_the_record_of_its_base_and_adapters(self, lora_run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         run_dir = tmp_path / "run"
 
-        run_dir.mkdir()
+        (run_dir / "checkpoints").mkdir(parents=True)
 
-        (run_dir / "checkpoints").symlink_to(lora_run_dir / "checkpoints")
+        (run_dir / "config.yaml").symlink_to(lora_run_dir / "config.yaml")
 
-        run_config = yaml.safe_load((lora_run_dir / "config.yaml").read_text())
-
-        run_config["lora"]["r"] = 0
-
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(run_config))
+        for name in ("model.yaml", "step_2"):
+            (run_dir / "checkpoints" / name).symlink_to(lora_run_dir / "checkpoints" / name)
 
         assert main([str(run_dir), str(tmp_path / "out"), "--adapter"]) == 1
 
-        assert "The `lora` section of" in _errors(caplog)
-        assert "`r` must be greater than 0, but is 0 instead." in _errors(caplog)
+        assert f"must have a record of the base model their LoRA adapters adapt ({LORA_BASE_FILE}), but have none." in _errors(caplog)
+        assert not (tmp_path / "out").exists()
 
 
 class TestParseSize:

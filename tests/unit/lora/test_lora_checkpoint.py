@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from fairseq2.error import StateDictError
@@ -16,6 +18,7 @@ from qwen35_fs2.lora.checkpoint import (
     LoraBaseError,
     LoraCheckpointFacade,
     check_lora_base,
+    check_lora_config,
     describe_lora_base,
     load_lora_base,
     save_lora_base,
@@ -32,15 +35,20 @@ def _save_base(path: Path, dtype: torch.dtype = torch.float32) -> Path:
     return path
 
 
+_LORA = LoraConfig(target_modules=["q_proj", "out_proj"], r=4, alpha=8.0, dropout_p=0.1, rslora=True)
+
+
 class TestLoraBase:
     def test_the_recorded_base_passes(self, tmp_path: Path) -> None:
         base = _save_base(tmp_path / "base")
 
-        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base))
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
 
         recorded = load_lora_base(tmp_path / "checkpoints")
 
         assert recorded.path == base.resolve()
+
+        assert recorded.lora == _LORA
 
         # Raises if the base were not the recorded one.
         check_lora_base(recorded, base)
@@ -52,7 +60,7 @@ class TestLoraBase:
 
         shutil.copytree(base, other)
 
-        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base))
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
 
         with pytest.raises(LoraBaseError, match=rf"must be the one the LoRA adapters of the checkpoints were trained on, {base}, but is {other} instead\."):
             check_lora_base(load_lora_base(tmp_path / "checkpoints"), other)
@@ -60,7 +68,7 @@ class TestLoraBase:
     def test_a_base_changed_in_place_is_refused(self, tmp_path: Path) -> None:
         base = _save_base(tmp_path / "base")
 
-        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base))
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
 
         # Re-saved in bf16 under the same name.
         shutil.rmtree(base)
@@ -69,6 +77,40 @@ class TestLoraBase:
 
         with pytest.raises(LoraBaseError, match="its safetensors have changed since"):
             check_lora_base(load_lora_base(tmp_path / "checkpoints"), base)
+
+    @pytest.mark.parametrize(
+        ("name", "value"),
+        [("alpha", 16.0), ("rslora", False), ("r", 8), ("target_modules", ["q_proj"]), ("target_parameters", ["mlp.experts.down_proj"])],
+    )
+    def test_other_adapters_are_refused(self, tmp_path: Path, name: str, value: object) -> None:
+        base = _save_base(tmp_path / "base")
+
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
+
+        recorded = load_lora_base(tmp_path / "checkpoints")
+
+        with pytest.raises(LoraBaseError, match=rf"^`lora\.{name}` must be the one the LoRA adapters of the checkpoints were trained with, .*, but is .* instead\."):
+            check_lora_config(recorded, replace(_LORA, **{name: value}))
+
+    def test_another_dropout_is_accepted(self, tmp_path: Path) -> None:
+        base = _save_base(tmp_path / "base")
+
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
+
+        # Raises if the adapters were not the recorded ones.
+        check_lora_config(load_lora_base(tmp_path / "checkpoints"), replace(_LORA, dropout_p=0.0))
+
+    def test_a_record_without_the_adapters_is_an_error(self, tmp_path: Path) -> None:
+        (tmp_path / LORA_BASE_FILE).write_text(yaml.safe_dump({"path": str(tmp_path), "fingerprint": "0" * 64}))
+
+        with pytest.raises(LoraBaseError, match=r"must hold the `path` and `fingerprint` of a base model and the `lora` configuration of its adapters, but does not\."):
+            load_lora_base(tmp_path)
+
+    def test_a_record_of_invalid_adapters_is_an_error(self, tmp_path: Path) -> None:
+        (tmp_path / LORA_BASE_FILE).write_text(yaml.safe_dump({"path": str(tmp_path), "fingerprint": "0" * 64, "lora": {"r": 0}}))
+
+        with pytest.raises(LoraBaseError, match=r"must be one of LoRA adapters, but is not: .*`r` must be greater than 0"):
+            load_lora_base(tmp_path)
 
     def test_a_missing_record_is_an_error(self, tmp_path: Path) -> None:
         with pytest.raises(LoraBaseError, match=rf"must have a record of the base model their LoRA adapters adapt \({LORA_BASE_FILE}\), but have none\."):

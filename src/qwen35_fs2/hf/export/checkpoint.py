@@ -32,8 +32,6 @@ from fairseq2.models import ModelFamily, ModelHub
 from fairseq2.nn.data_parallel import get_data_parallel_facade
 from fairseq2.nn.utils.module import reset_non_persistent_buffers, to_empty
 from fairseq2.runtime.dependency import get_dependency_resolver
-from fairseq2.utils.structured import StructureError, ValueConverter
-from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 
 from qwen35_fs2.hf.config import drop_absent_mtp_head, load_hf_config, qwen35_config_from_hf
 from qwen35_fs2.hf.export.plan import check_architecture, holds_tokenizer, plan_hf_export
@@ -41,8 +39,8 @@ from qwen35_fs2.hf.export.repository import HfExportError, HfRepository
 from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir, write_hf_export
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
-from qwen35_fs2.lora import LoraConfig, apply_lora, check_peft_base, merge_lora_state_dict, save_peft_adapter
-from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
+from qwen35_fs2.lora import apply_lora, check_peft_base, merge_lora_state_dict, save_peft_adapter
+from qwen35_fs2.lora.checkpoint import LORA_BASE_FILE, LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
 from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
@@ -83,12 +81,9 @@ class _Source:
     """The tokenizer directory the run trained with, for exports without a
     base."""
 
-    lora: LoraConfig | None = None
-    """The adapters of the checkpoint of a LoRA run."""
-
     lora_base: LoraBase | None = None
-    """The base that the adapters of the checkpoint of a LoRA run adapt, as
-    the run recorded it."""
+    """The base that the adapters of the checkpoint of a LoRA run adapt, and
+    their configuration, as the run recorded them."""
 
 
 def export_checkpoint(
@@ -196,7 +191,7 @@ def _check_lora_export(source: _Source, *, adapter: bool, merge: bool) -> None:
     if adapter and merge:
         raise CheckpointError("`--adapter` and `--merge` must not be given together, but are.")
 
-    if source.lora is None:
+    if source.lora_base is None:
         if adapter or merge:
             flag = "--adapter" if adapter else "--merge"
 
@@ -216,7 +211,7 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
     """Writes the adapters of the LoRA checkpoint ``source`` as a PEFT
     adapter directory for ``base``, which must have the checkpoint's
     architecture."""
-    assert source.lora is not None and source.lora_base is not None
+    assert source.lora_base is not None
 
     # The base the adapter is for, and the base the run adapted (as long as
     # it is where the run found it).
@@ -247,7 +242,7 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
     save_peft_adapter(
         model,
         out_dir,
-        config=source.lora,
+        config=source.lora_base.lora,
         model_config=source.config,
         base_model_name_or_path=None if base is None else str(base.path),
         force=force,
@@ -270,18 +265,18 @@ def _load_model(source: _Source, dtype: DataType) -> torch.nn.Module:
 
 def _load_lora_model(source: _Source, dtype: DataType, *, read_base: bool) -> torch.nn.Module:
     """Loads the checkpoint of a LoRA run: the model with the adapters of
-    ``source.lora``, which fairseq2's loader does not know to create, put on
+    ``source.lora_base``, which fairseq2's loader does not know to create, put on
     it as the recipe puts them on before training, read from the checkpoint,
     and its base, if ``read_base``, read from the Hugging Face checkpoint
     that the run recorded. Without ``read_base`` the base is left
     uninitialized: a PEFT adapter is the adapters alone."""
-    assert source.lora is not None and source.lora_base is not None
+    assert source.lora_base is not None
 
     hub = _model_hub(source)
 
     model = hub.create_new_model(source.config, device=CPU, dtype=dtype, meta=True)
 
-    apply_lora(model, source.lora, source.config)
+    apply_lora(model, source.lora_base.lora, source.config)
 
     to_empty(model, CPU)
 
@@ -459,19 +454,19 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
 
-    lora = _run_lora(run_dir) if (run_dir / "config.yaml").is_file() else None
-
-    if lora is None:
-        lora_base = None
-    else:
+    # A run is a LoRA run by its record, or by its config.yaml when the
+    # record is missing (an error). Its adapters are the record's: the
+    # config.yaml is rewritten each time the run is started, also by a
+    # resumption refused for another `lora` section.
+    if (checkpoint_dir / LORA_BASE_FILE).exists() or ((run_dir / "config.yaml").is_file() and _run_has_lora(run_dir)):
         try:
             lora_base = load_lora_base(checkpoint_dir)
         except LoraBaseError as ex:
             raise CheckpointError(str(ex)) from None
+    else:
+        lora_base = None
 
-    return _Source(
-        f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora, lora_base
-    )
+    return _Source(f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora_base)
 
 
 def _hf_source(path: Path) -> _Source:
@@ -661,9 +656,9 @@ def _run_tokenizer_dir(run_dir: Path) -> Path | None:
     return _tokenizer_dir_of_card(card)
 
 
-def _run_lora(run_dir: Path) -> LoraConfig | None:
-    """Returns the ``lora`` section of a training run's ``config.yaml``;
-    ``None`` if the run trained no adapters."""
+def _run_has_lora(run_dir: Path) -> bool:
+    """Returns whether the ``config.yaml`` of a training run has a ``lora``
+    section."""
     config_file = run_dir / "config.yaml"
 
     try:
@@ -671,21 +666,7 @@ def _run_lora(run_dir: Path) -> LoraConfig | None:
     except (OSError, yaml.YAMLError) as ex:
         raise CheckpointError(f"{config_file} cannot be read: {ex}") from None
 
-    section = run_config.get("lora") if isinstance(run_config, dict) else None
-
-    if section is None:
-        return None
-
-    value_converter = get_dependency_resolver().resolve(ValueConverter)  # type: ignore[type-abstract]
-
-    try:
-        lora = value_converter.structure(section, LoraConfig)
-
-        StandardObjectValidator().validate(lora)
-    except (StructureError, ValidationError) as ex:
-        raise CheckpointError(f"The `lora` section of {config_file} must be a LoRA configuration, but is not: {ex}") from None
-
-    return lora
+    return isinstance(run_config, dict) and run_config.get("lora") is not None
 
 
 def _run_base(run_dir: Path) -> Path | None:
