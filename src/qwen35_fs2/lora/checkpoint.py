@@ -29,7 +29,6 @@ and exports take the recorded one.
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Final, final
@@ -43,6 +42,7 @@ from fairseq2.utils.validation import StandardObjectValidator, ValidationError
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.lora.config import LoraConfig
 from qwen35_fs2.nn.lora import is_lora_key
+from qwen35_fs2.records import write_record
 from qwen35_fs2.parallel.facade import DelegatingFacade
 
 LORA_BASE_FILE: Final = "lora_base.yaml"
@@ -90,17 +90,7 @@ def describe_lora_base(path: Path, lora: LoraConfig) -> LoraBase:
 def save_lora_base(checkpoint_dir: Path, base: LoraBase) -> None:
     """Records ``base`` as the base of the LoRA run of ``checkpoint_dir``,
     replacing any earlier record. The file is written whole or not at all."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-
-    file = checkpoint_dir / LORA_BASE_FILE
-
-    tmp_file = file.with_name(f"{file.name}.tmp")
-
-    record = {"path": str(base.path), "fingerprint": base.fingerprint, "lora": asdict(base.lora)}
-
-    tmp_file.write_text(yaml.safe_dump(record, sort_keys=False), encoding="utf-8")
-
-    os.replace(tmp_file, file)
+    write_record(checkpoint_dir / LORA_BASE_FILE, {"path": str(base.path), "fingerprint": base.fingerprint, "lora": asdict(base.lora)})
 
 
 def load_lora_base(checkpoint_dir: Path) -> LoraBase:

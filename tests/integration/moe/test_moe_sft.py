@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from integration.recipes.recipe_runner import read_metrics, run_recipe
+from qwen35_fs2.recipes.resume import RESTORED_CONFIG_FILE
 from scratch import scratch_dir
 
 CONFIG = "qwen35_tiny_gsm8k_cpu.yaml"
@@ -141,6 +142,8 @@ def test_expert_parallel_run_trains_and_resumes_like_fsdp2(tmp_path: Path, fsdp_
     resumed_dir = tmp_path / "resumed"
 
     shutil.copytree(fsdp_dir / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+
+    shutil.copy(fsdp_dir / "checkpoints" / RESTORED_CONFIG_FILE, resumed_dir / "checkpoints")
 
     run_recipe("instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, "gang.expert_parallel_size=2"], nproc=2)
 

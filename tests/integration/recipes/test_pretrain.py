@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from qwen35_fs2.datasets.synthetic import write_synthetic_fineweb
+from qwen35_fs2.recipes.resume import RESTORED_CONFIG_FILE
 from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
 
 CONFIG = "qwen35_tiny_pretrain_cpu.yaml"
@@ -50,6 +51,8 @@ class TestPretrainCPU:
         resumed_dir = tmp_path / "resumed"
 
         shutil.copytree(full_dir / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+
+        shutil.copy(full_dir / "checkpoints" / RESTORED_CONFIG_FILE, resumed_dir / "checkpoints")
 
         process = run_recipe("train", resumed_dir, CONFIG, OVERRIDES)
 

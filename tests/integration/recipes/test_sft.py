@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from qwen35_fs2.datasets.synthetic import generate_synthetic_gsm8k
+from qwen35_fs2.recipes.resume import RESTORED_CONFIG_FILE
 
 from recipe_runner import TINY_MODEL_OVERRIDES, read_metrics, run_recipe
 
@@ -45,12 +46,24 @@ class TestInstructionFinetuneCPU:
 
         assert losses[-1] < losses[0] - 0.5, losses
 
-        # The run's checkpoint of step 3 (model, optimizer, data reader), as
-        # a run stopped then would find it, resumed in another directory to
-        # step 6.
+        # The run's checkpoint of step 3 (model, optimizer, data reader) and
+        # the record of its settings, as a run stopped then would find them,
+        # resumed in another directory to step 6.
         resumed_dir = tmp_path / "resumed"
 
         shutil.copytree(full_dir / "checkpoints" / "step_3", resumed_dir / "checkpoints" / "step_3")
+
+        shutil.copy(full_dir / "checkpoints" / RESTORED_CONFIG_FILE, resumed_dir / "checkpoints")
+
+        # Another learning rate and weight decay would be replaced by the
+        # checkpoint's: refused before training, naming each.
+        process = run_recipe(
+            "instruction_finetune", resumed_dir, CONFIG, [*OVERRIDES, "optimizer.config.lr=2.0e-3", "optimizer.config.weight_decay=0.05"], expected_returncode=2
+        )
+
+        assert "`optimizer.config.lr` must be 0.003, but is 0.002 instead; `optimizer.config.weight_decay` must be 0.1, but is 0.05 instead." in process.stdout
+
+        assert not (resumed_dir / "metrics" / "train.jsonl").exists()
 
         process = run_recipe("instruction_finetune", resumed_dir, CONFIG, OVERRIDES)
 
