@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Final, final
 
 import torch
-from typing_extensions import Self, override
+from typing_extensions import override
 
 from fairseq2.datasets import DataReader, SequenceBatch
+
+from qwen35_fs2.datasets.delegating import DelegatingReader
 
 
 @final
@@ -43,18 +45,15 @@ def is_idle_batch(batch: SequenceBatch) -> bool:
 
 
 @final
-class IdleBatchReader(DataReader[SequenceBatch]):
+class IdleBatchReader(DelegatingReader[SequenceBatch]):
     """Reads ``reader`` (with ``SyncMode.UNTIL_LAST``), and gives a rank that
     has read all of its batches, while other ranks have not, one idle batch
     per step instead of none."""
 
     def __init__(self, reader: DataReader[SequenceBatch], pad_idx: int) -> None:
-        self._reader = reader
-        self._pad_idx = pad_idx
+        super().__init__(reader)
 
-    @override
-    def __iter__(self) -> Self:
-        return self
+        self._pad_idx = pad_idx
 
     @override
     def __next__(self) -> list[SequenceBatch]:
@@ -70,20 +69,3 @@ class IdleBatchReader(DataReader[SequenceBatch]):
         target_mask = torch.zeros((1, 2), dtype=torch.bool)
 
         return [SequenceBatch(seqs, [2], target_mask=target_mask, example=_IDLE_EXAMPLE)]
-
-    @override
-    def reset(self) -> None:
-        self._reader.reset()
-
-    @override
-    def state_dict(self) -> dict[str, object]:
-        return self._reader.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, object]) -> None:
-        self._reader.load_state_dict(state_dict)
-
-    @property
-    @override
-    def num_accumulate(self) -> int:
-        return self._reader.num_accumulate
