@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -268,6 +269,36 @@ class TestCreateSFTReader:
 
             for a, e in zip(actual, expected[num_read:]):
                 torch.testing.assert_close(a.seqs, e.seqs, rtol=0, atol=0)
+
+
+    @pytest.mark.parametrize(
+        ("change", "named"),
+        [
+            ({"examples": _examples(41)[1:]}, "the examples"),
+            ({"seed": 6}, "`seed` 5 where the reader's is 6"),
+            ({"shuffle_window": 0}, "`shuffle_window` 8 where the reader's is 0"),
+            ({"batching": SFTBatching(max_seq_len=300, max_num_tokens=900)}, "`max_num_tokens` 600 where the reader's is 900"),
+            ({"gangs": _gangs(0, 2)}, "`dp_size` 1 where the reader's is 2"),
+        ],
+        ids=["examples", "seed", "shuffle-window", "batching", "dp-size"],
+    )
+    def test_refuses_the_state_of_a_reader_of_other_examples_or_settings(self, tokenizer: Qwen35Tokenizer, change: dict[str, object], named: str) -> None:
+        def create_reader(examples: list[InstructionExample] = _examples(40), seed: int = 5, shuffle_window: int = 8, batching: SFTBatching = SFTBatching(max_seq_len=300, max_num_tokens=600), gangs: Gangs = create_fake_gangs(CPU)):  # type: ignore[no-untyped-def]
+            return create_sft_reader(
+                examples, ChatEncoder(tokenizer), gangs, batching, pad_idx=tokenizer.vocab_info.pad_idx, split_name="train", shuffle_window=shuffle_window, seed=seed, prefetch=0  # type: ignore[arg-type]
+            )
+
+        reader = create_reader()
+
+        next(reader)
+
+        state = reader.state_dict()
+
+        # Raises if the state were not that of a reader of the same data.
+        create_reader().load_state_dict(state)
+
+        with pytest.raises(ValueError, match=rf"^The reader state must be loaded into a reader of the same examples and settings, but differs in {re.escape(named)}\."):
+            create_reader(**change).load_state_dict(state)  # type: ignore[arg-type]
 
 
 class TestFairseq2nDynamicBucket:

@@ -13,18 +13,22 @@ which the mask excludes.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, final
 
 import torch
+from typing_extensions import override
 
 from fairseq2.data import CollateOptionsOverride, Collater, create_bucket_sizes
 from fairseq2.data.data_pipeline import DataPipeline, DataPipelineBuilder, read_sequence
-from fairseq2.datasets import DataPipelineReader, SequenceBatch, SyncMode
+from fairseq2.datasets import DataPipelineReader, DataReader, SequenceBatch, SyncMode
 from fairseq2.gang import Gangs
 from fairseq2.logging import log
 
+from qwen35_fs2.datasets.delegating import DelegatingReader
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionDataError,
@@ -71,7 +75,7 @@ def create_sft_reader(
     num_accumulate: int = 1,
     prefetch: int = 4,
     sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
-) -> DataPipelineReader[SequenceBatch]:
+) -> DataReader[SequenceBatch]:
     """Returns a reader of this rank's share of ``examples``.
 
     With ``shuffle_window`` 0, examples are shuffled (the same way on every
@@ -88,7 +92,8 @@ def create_sft_reader(
 
     The reader's state (position, shuffle and bucket buffers) is
     checkpointed by the trainer, so a resumed run reads exactly the batches
-    an uninterrupted one would have.
+    an uninterrupted one would have; it holds a fingerprint of the examples
+    and settings too, and loading it into a reader of others is an error.
 
     :param shuffle_window: The size of the shuffle buffer, 0 to shuffle all
         examples, ``None`` to keep the file order.
@@ -123,9 +128,74 @@ def create_sft_reader(
 
     pipeline = builder.map(_to_batch).and_return()
 
-    return DataPipelineReader[SequenceBatch](
+    reader = DataPipelineReader[SequenceBatch](
         pipeline, gangs, num_accumulate=num_accumulate, sync=True, sync_mode=sync_mode
     )
+
+    fingerprint = {
+        "examples": _hash_examples(examples),
+        "dp_rank": gangs.dp.rank,
+        "dp_size": dp_size,
+        "shuffle_window": shuffle_window,
+        "seed": seed,
+        **asdict(batching),
+    }
+
+    return _FingerprintedReader(reader, fingerprint)
+
+
+def _hash_examples(examples: Sequence[InstructionExample]) -> str:
+    """Returns the SHA-256 of ``examples``, in their order."""
+    digest = hashlib.sha256()
+
+    for example in examples:
+        digest.update(json.dumps(example, sort_keys=True).encode())
+
+        digest.update(b"\n")
+
+    return digest.hexdigest()
+
+
+@final
+class _FingerprintedReader(DelegatingReader[SequenceBatch]):
+    """``reader``, whose state also holds a fingerprint of its examples and
+    settings, checked when the state is loaded.
+
+    The state of a pipeline reader is its position and its shuffle and
+    bucket buffers, which hold examples: loaded into a reader of other
+    examples (a changed dataset, ``num_held_out_examples``,
+    ``max_num_valid_examples``), another seed, other batching or another
+    data-parallel rank or size, fairseq2 takes it without a word and the
+    run goes on training on examples of the old split (held-out ones
+    included) or skips others.
+    """
+
+    def __init__(self, reader: DataReader[SequenceBatch], fingerprint: dict[str, object]) -> None:
+        super().__init__(reader)
+
+        self._fingerprint = fingerprint
+
+    @override
+    def state_dict(self) -> dict[str, object]:
+        return {"pipeline": self._reader.state_dict(), "fingerprint": dict(self._fingerprint)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        fingerprint = state_dict.get("fingerprint")
+
+        if not isinstance(fingerprint, dict) or "pipeline" not in state_dict:
+            raise ValueError("The reader state must have the `pipeline` state and the `fingerprint` of an SFT reader, but does not.")
+
+        for key, value in self._fingerprint.items():
+            if fingerprint.get(key) != value:
+                what = "the examples" if key == "examples" else f"`{key}` {fingerprint.get(key)!r} where the reader's is {value!r}"
+
+                raise ValueError(
+                    f"The reader state must be loaded into a reader of the same examples and settings, but differs in {what}. "
+                    "A resumed run must read the same data with the same settings on as many data-parallel ranks; start a new run in another output directory otherwise."
+                )
+
+        self._reader.load_state_dict(state_dict["pipeline"])  # type: ignore[arg-type]
 
 
 @final
