@@ -23,6 +23,7 @@ from fairseq2.utils.validation import ValidationResult
 from qwen35_fs2.datasets.pretraining import FINEWEB_EDU_SAMPLE_10BT, FINEWEB_EDU_URI
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET
 from qwen35_fs2.lora import LoraConfig
+from qwen35_fs2.compat.epoch_checkpoints import validate_epoch_checkpoints
 from qwen35_fs2.lora.config import validate_lora_tensor_parallelism
 from qwen35_fs2.recipes.gang import Qwen35GangSection
 from qwen35_fs2.recipes.common import LMLossSection
@@ -184,4 +185,9 @@ class PretrainConfig:
     """
 
     def validate(self) -> ValidationResult:
-        return validate_lora_tensor_parallelism(self.lora, self.gang.tensor_parallel_size)
+        result = validate_lora_tensor_parallelism(self.lora, self.gang.tensor_parallel_size)
+
+        for error in validate_epoch_checkpoints(self.regime).errors:
+            result.add_error(error)
+
+        return result
