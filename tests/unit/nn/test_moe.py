@@ -551,6 +551,35 @@ class TestRoutedExperts:
         torch.testing.assert_close(seqs.grad, seqs_ref.grad, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(experts.gate_inner_proj.grad, reference.gate_inner_proj.grad, atol=5e-2, rtol=2e-2)
 
+    @pytest.mark.cuda
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    def test_grouped_mm_without_tokens_gives_zero_gradients_on_cuda(self) -> None:
+        # A rank of an expert-parallel group can receive no token at all;
+        # the CPU paths are tested above, this is `torch._grouped_mm` with
+        # no rows. Freed memory filled with NaN first, so that a gradient
+        # left unwritten shows.
+        if torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("`torch._grouped_mm` needs compute capability 9.0")
+
+        device = torch.device("cuda")
+
+        torch.full((1 << 24,), float("nan"), device=device)
+
+        experts = RoutedExperts(6, 64, 32, dispatch="grouped_mm", init_fn=_normal, device=device, dtype=torch.bfloat16)
+
+        seqs = torch.randn(0, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+
+        output = experts(seqs, torch.zeros(6, dtype=torch.int64, device=device))
+
+        assert output.shape == (0, 64)
+
+        torch.autograd.backward(output.float().sum())
+
+        for name in ("gate_inner_proj", "output_proj"):
+            grad = getattr(experts, name).grad
+
+            assert grad is not None and torch.count_nonzero(grad) == 0, name
+
 
 def _route(blocks: list[Qwen35MoeBlock], inputs: list[Tensor], layout: BatchLayout | None = None) -> MoeStatistics:
     """Runs ``blocks`` on ``inputs`` in one forward pass, as the decoder does,
