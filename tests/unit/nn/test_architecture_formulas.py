@@ -162,6 +162,30 @@ class TestPartialRotaryEncoder:
 
         assert torch.equal(y[..., rotary_dim:], x[..., rotary_dim:])
 
+    def test_keeps_its_frequencies_when_the_model_is_cast_to_bf16_and_back(self) -> None:
+        config = tiny_qwen35_config()
+
+        pos_encoder = _attention(config).pos_encoder.bfloat16().float()
+
+        rotary_dim = config.head_dim // ROTARY_FRACTION
+
+        half = rotary_dim // 2
+
+        # Far positions, where rounded frequencies turn by radians.
+        x = torch.randn(1, 4096, 1, config.head_dim)
+
+        y = pos_encoder(x, BatchLayout.of(x))
+
+        angles = torch.arange(4096, dtype=torch.float64)[:, None] * config.rope_theta ** (-2 * torch.arange(half, dtype=torch.float64) / rotary_dim)
+
+        cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+        first, second = x[..., :half].double(), x[..., half:rotary_dim].double()
+
+        expected = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+        torch.testing.assert_close(y[..., :rotary_dim].double(), expected, atol=2e-3, rtol=0)
+
 
 class TestGatedAttention:
     def test_output_is_the_gated_attention_of_normed_partially_rotated_heads(self) -> None:
