@@ -288,6 +288,10 @@ def setup_lm_loss(model: Module, section: LMLossSection) -> Module:
     if mtp is not None:
         if section.mtp_loss_weight > 0.0:
             mtp_loss = "train"
+
+            # LoRA freezes the head and puts no adapters on it.
+            if not any(p.requires_grad for p in mtp.parameters()):
+                log.warning("The MTP head of the model is frozen, but `loss.mtp_loss_weight` is {}: its loss trains the rest of the model to suit a head that cannot follow. Set `loss.mtp_loss_weight: 0` to train on the next-token loss alone; validation then still measures the head.", section.mtp_loss_weight)  # fmt: skip
         else:
             # Unused parameters would also break DDP's gradient reduction.
             mtp.requires_grad_(False)

@@ -7,6 +7,7 @@ checkpointing and in bf16, against the same model's fp32 step without it
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
@@ -277,6 +278,24 @@ class TestMtpLossInRecipes:
         assert loss.item() == pytest.approx(float(nll) + 0.25 * num_targets * mean_mtp.item(), rel=1e-5)
 
         assert metric_bag.get("mtp_loss", Mean).compute() == pytest.approx(mean_mtp.item(), rel=1e-5)
+
+    def test_warns_of_a_weight_on_a_frozen_head(self, caplog: pytest.LogCaptureFixture) -> None:
+        model = _model()
+
+        # As LoRA leaves it.
+        model.mtp.requires_grad_(False)
+
+        with caplog.at_level(logging.WARNING):
+            setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.1))
+
+        assert "The MTP head of the model is frozen, but `loss.mtp_loss_weight` is 0.1" in caplog.text
+
+        caplog.clear()
+
+        with caplog.at_level(logging.WARNING):
+            setup_lm_loss(_model(), LMLossSection(mtp_loss_weight=0.1))
+
+        assert "frozen" not in caplog.text
 
     def test_freezes_the_head_without_a_weight(self) -> None:
         model = _model()
