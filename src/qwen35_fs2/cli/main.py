@@ -220,6 +220,8 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
         if "=" not in item:
             parser.error(f"overrides must be KEY=VALUE, but '{item}' is not")
 
+    _check_nested_overrides(overrides, parser)
+
     fairseq2_argv = [f"fairseq2 {LM_GROUP} {command.name}"]
 
     if not args.dump_config:
@@ -272,6 +274,24 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
         fairseq2_logger.removeHandler(error_catcher)
 
     return 0
+
+
+def _check_nested_overrides(overrides: list[str], parser: ArgumentParser) -> None:
+    """Refuses an override of a key inside another override's value.
+
+    fairseq2 0.8.1 collects the overrides into one nested mapping and sets
+    ``a.b={...}`` after the keys under ``a.b``, whatever their order on the
+    command line: ``a.b.c=1`` beside it would be dropped without a word.
+    """
+    keys = [item.split("=", 1)[0].strip().removeprefix("set:") for item in overrides if not item.strip().startswith("del:")]
+
+    for outer in keys:
+        for inner in keys:
+            if inner.startswith(f"{outer}."):
+                parser.error(
+                    f"an override must not set a key inside another override's value, but '{inner}' is inside '{outer}', which would replace it whatever their order; "
+                    f"give '{inner.removeprefix(outer + '.')}' in the value of '{outer}' instead"
+                )
 
 
 @final

@@ -120,6 +120,21 @@ class TestMain:
 
         assert fairseq2_main.argv is None
 
+    def test_rejects_an_override_inside_another_overrides_value(self, fairseq2_main: _Fairseq2Main, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit) as exc_info:
+            cli.main(["lm", "train", "out", "--set", "lr_scheduler.config.final_lr_scale=0.5", "lr_scheduler.config={cycle_len: 100}"])
+
+        assert exc_info.value.code == 2
+
+        assert "an override must not set a key inside another override's value, but 'lr_scheduler.config.final_lr_scale' is inside 'lr_scheduler.config'" in capsys.readouterr().err
+
+        assert fairseq2_main.argv is None
+
+        # Keys side by side, or sharing a prefix of their names only, pass.
+        cli.main(["lm", "train", "out", "--set", "lr_scheduler.config.final_lr_scale=0.5", "lr_scheduler.config.cycle_len=100", "lr_scheduler.name=cosine_annealing", "model.compile=true", "model.compile_options.backend=eager"])
+
+        assert fairseq2_main.argv is not None
+
     def test_rejects_an_unknown_command(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exc_info:
             cli.main(["lm", "pretrain"])
