@@ -252,8 +252,18 @@ class _HistoryLayout:
             dhistory[0].index_add_(0, self.final_rows.flatten(), dht.flatten(0, 1))
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for bf16 and fp16 inputs, as cuDNN's and oneDNN's convolutions
+    (the reference's ``nn.Conv1d``) and fla's kernels accumulate: summed in
+    bf16, the four taps' products rounded four times, and the output was two
+    to three times as far from the exact convolution."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _convolve(history: Tensor, taps: Tensor) -> Tensor:
-    """``pre[:, r] = sum_j taps[j] * history[:, r + j]``.
+    """``pre[:, r] = sum_j taps[j] * history[:, r + j]``, summed and returned
+    in :func:`_accumulation_dtype` (the products of bf16 values are exact in
+    fp32).
 
     :param taps: The kernels as ``[W, D]``, a contiguous row per tap: a
         strided column of the ``[D, W]`` weight makes every eager
@@ -263,7 +273,11 @@ def _convolve(history: Tensor, taps: Tensor) -> Tensor:
 
     num_rows = history.size(1) - (width - 1)
 
-    pre = history[:, width - 1 :] * taps[width - 1]
+    dtype = _accumulation_dtype(history.dtype)
+
+    # Not `torch.mul(..., out=pre)`, which multiplies in the inputs' dtype;
+    # `addcmul_` computes in its fp32 output's.
+    pre = history[:, width - 1 :].to(dtype) * taps[width - 1].to(dtype)
 
     for j in range(width - 1):
         pre.addcmul_(history[:, j : j + num_rows], taps[j])
@@ -321,7 +335,7 @@ def conv_forward(
 
     pre = _convolve(history, conv_taps(weight, x.dtype))
 
-    y = layout.outputs(F.silu(pre, inplace=True) if silu else pre)
+    y = layout.outputs((F.silu(pre, inplace=True) if silu else pre).to(x.dtype))
 
     final_state = layout.states(history, final=True).contiguous() if output_final_state else None
 
@@ -350,18 +364,21 @@ def conv_backward(
     taps = conv_taps(weight, history.dtype)
 
     # The gradient of the pre-activation, over all rows of the history (the
-    # state rows get none).
-    dpre = layout.scatter_outputs(dy)
+    # state rows get none), and the sums below in the dtype of the forward
+    # pass's.
+    dtype = _accumulation_dtype(history.dtype)
+
+    dpre = layout.scatter_outputs(dy).to(dtype)
 
     if silu:
         dpre = torch.ops.aten.silu_backward(dpre, _convolve(history, taps))
 
     num_rows = dpre.size(1)
 
-    dhistory = torch.zeros_like(history)
+    dhistory = torch.zeros_like(history, dtype=dtype)
 
     # `[W, D]`, as the taps.
-    dtaps = torch.empty_like(taps)
+    dtaps = torch.empty_like(taps, dtype=dtype)
 
     product = torch.empty_like(dpre)
 
@@ -375,7 +392,7 @@ def conv_backward(
     if dht is not None:
         layout.add_to_final_states(dhistory, dht)
 
-    dx = layout.tokens(dhistory).reshape(dy.shape)
+    dx = layout.tokens(dhistory).reshape(dy.shape).to(history.dtype)
 
     dh0 = None
 
