@@ -44,12 +44,23 @@ class Gsm8kExample:
 
 FINAL_ANSWER_MARKER: Final = "####"
 
-# An optional sign and currency sign, then a number with optional thousands
-# separators and decimals. Thousands separators count only before a group
-# of exactly three digits: `1,2345` is no 1,234 and 5.
-_NUMBER_RE: Final = re.compile(
-    r"(?P<sign>[-\u2212]?)\s*\$?\s*(?P<number>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
+# A number with optional thousands separators and decimals, after an
+# optional currency sign, after an optional minus sign that touches it and
+# follows no word character or dash: the `-` of a Markdown bullet (`- 72`),
+# of a rule (`---` above `72`) or of a range (`3-18`) is no sign.
+# Thousands separators count only before a group of exactly three digits:
+# `1,2345` is no 1,234 and 5.
+_NUMBER: Final = (
+    r"(?:(?<![\w\-\u2212])(?P<sign>[-\u2212]))?\$?"
+    r"(?P<number>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
+
+_NUMBER_RE: Final = re.compile(_NUMBER)
+
+# The final answer line of GSM8K: the marker at the start of a line, then
+# the number. Not a Markdown heading (`#### Step 2: add`, `##### Note`),
+# which a chat model's free-form answer may hold.
+_FINAL_ANSWER_RE: Final = re.compile(rf"^[ \t]*{FINAL_ANSWER_MARKER}(?!#)[ \t]*{_NUMBER}", re.MULTILINE)
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -57,18 +68,16 @@ def extract_gsm8k_answer(text: str) -> str | None:
     completion) in a canonical form, so ``1,234``, ``1234`` and ``1234.00``
     compare equal.
 
-    The number is the first one after the last ``####`` marker; without a
-    marker, the last number of ``text``. Returns ``None`` if there is none.
+    The number is that of the last line starting with the ``####`` marker
+    and a number; without such a line, the last number of ``text``. Returns
+    ``None`` if there is none.
     """
-    marker_pos = text.rfind(FINAL_ANSWER_MARKER)
+    match = None
 
-    if marker_pos >= 0:
-        tail = text[marker_pos + len(FINAL_ANSWER_MARKER) :]
+    for match in _FINAL_ANSWER_RE.finditer(text):
+        pass
 
-        match = _NUMBER_RE.search(tail)
-    else:
-        match = None
-
+    if match is None:
         for match in _NUMBER_RE.finditer(text):
             pass
 
@@ -78,7 +87,7 @@ def extract_gsm8k_answer(text: str) -> str | None:
     return _canonicalize(match["sign"], match["number"])
 
 
-def _canonicalize(sign: str, number: str) -> str | None:
+def _canonicalize(sign: str | None, number: str) -> str | None:
     try:
         value = Decimal(number.replace(",", ""))
     except InvalidOperation:

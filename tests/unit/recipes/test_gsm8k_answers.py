@@ -39,6 +39,33 @@ class TestExtractFinalAnswer:
 
         assert extract_gsm8k_answer("The balance is -222 dollars.") == "-222"
 
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "#### Step 1: Find the total\nShe has 48 + 24 = 72 clips.\n\nThe answer is 72.",
+            "### Step 1\n48/2=24\n#### Step 2: add\n48+24 = 72\n\n**Answer: 72**",
+            "##### Note: 3 items\nAnswer: 72",
+        ],
+        ids=["heading", "heading-then-bold", "level-5-heading"],
+    )
+    def test_a_markdown_heading_is_no_final_answer_marker(self, text: str) -> None:
+        # A chat model's free-form answer in Markdown.
+        assert extract_gsm8k_answer(text) == "72"
+
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("Final answer:\n- 72", "72"),
+            ("The answer is 72.\n\n---\n\n72", "72"),
+            ("as on pages 3-18", "18"),
+            ("The change is -$5.", "-5"),
+            ("It drops by \u22123 degrees.", "-3"),
+        ],
+        ids=["bullet", "rule", "range", "minus-dollar", "unicode-minus"],
+    )
+    def test_a_minus_sign_must_touch_its_number(self, text: str, expected: str) -> None:
+        assert extract_gsm8k_answer(text) == expected
+
     def test_does_not_read_list_commas_as_thousands_separators(self) -> None:
         assert extract_gsm8k_answer("The numbers are 3,4") == "4"
 
