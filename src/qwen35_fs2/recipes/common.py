@@ -368,6 +368,7 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("moe_ep_imbalance", "Expert-Parallel Imbalance", 109, format_as_float)
     register("compiled_graphs", "Compiled Graphs", 110, format_as_int)
     register("num_correct", "Number of Correct Answers", 210, format_as_int)
+    register("num_truncated", "Number of Truncated Responses", 211, format_as_int)
 
     # In language-model recipes, elements are tokens. The later registration
     # replaces fairseq2's name.

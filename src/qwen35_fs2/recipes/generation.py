@@ -167,11 +167,71 @@ def check_generation_pad(tokenizer: Tokenizer) -> None:
         )
 
 
-def _cut_after_stop(seq: Tensor, stop_indices: frozenset[int]) -> Tensor:
-    """Returns ``seq`` up to and with its first token of ``stop_indices``."""
+@final
+@dataclass(frozen=True)
+class ResponseBudget:
+    """The number of tokens a response may hold before its end token, the
+    same for a prompt whatever the batch it is generated in.
+
+    fairseq2 0.8.1's generators give a batch ``max_gen_len`` tokens after
+    its *longest* prompt (capped at ``max_seq_len``), the last one forced to
+    the end token: a short prompt beside a long one may generate more, so
+    whether a response is cut off, and what it then says, would depend on
+    its neighbours (the batch size, the number of data-parallel ranks,
+    speculative decoding, which decodes a prompt at a time). A response is
+    therefore cut to the tokens its prompt would get as the longest of its
+    batch, less the forced end token; one without an end token in them is
+    *truncated*, and recorded as such.
+    """
+
+    max_gen_len: int | tuple[float, int]
+
+    max_seq_len: int
+
+    scales_with_prompt: bool = False
+    """If ``True`` (beam search), a ``max_gen_len`` of ``(a, b)`` gives
+    ``a * prompt length + b`` tokens; sampling takes ``b`` alone."""
+
+    @staticmethod
+    def of(section: SequenceGeneratorSection, model: Module) -> ResponseBudget:
+        """The budget of the generator of ``section`` for ``model``."""
+        config = section.config
+
+        if not isinstance(config, SamplingConfig | BeamSearchConfig):
+            raise RecipeError(f"`seq_generator.config` must be a sampling or beam search configuration, but is a `{type(config).__name__}` instead.")
+
+        max_seq_len = cast(int, model.max_seq_len)
+
+        if config.max_seq_len is not None:
+            max_seq_len = min(max_seq_len, config.max_seq_len)
+
+        return ResponseBudget(config.max_gen_len, max_seq_len, scales_with_prompt=isinstance(config, BeamSearchConfig))
+
+    def for_prompt(self, prompt_len: int) -> int:
+        """Returns the tokens a response to a prompt of ``prompt_len``
+        tokens may hold before its end token."""
+        if isinstance(self.max_gen_len, int):
+            max_gen_len = self.max_gen_len
+        elif self.scales_with_prompt:
+            max_gen_len = int(self.max_gen_len[0] * prompt_len + self.max_gen_len[1])
+        else:
+            max_gen_len = self.max_gen_len[1]
+
+        return max(min(max_gen_len, self.max_seq_len - prompt_len) - 1, 0)
+
+
+def _cut_response(seq: Tensor, budget: int, stop_indices: frozenset[int]) -> tuple[Tensor, bool]:
+    """Returns the first ``budget`` tokens of ``seq`` up to and with the
+    first token of ``stop_indices`` among them, and whether there is none
+    (the response is truncated)."""
+    seq = seq[:budget]
+
     stops = torch.isin(seq, torch.tensor(sorted(stop_indices), device=seq.device)).nonzero()
 
-    return seq if stops.numel() == 0 else seq[: int(stops[0]) + 1]
+    if stops.numel() == 0:
+        return seq, True
+
+    return seq[: int(stops[0]) + 1], False
 
 
 def validate_response_generator(section: SequenceGeneratorSection) -> ValidationResult:
@@ -240,6 +300,7 @@ def create_response_task(
         generator,
         tokenizer,
         open_output_stream(context, output_name),
+        budget=ResponseBudget.of(seq_generator, generator.model),
         speculative_decoder=decoder,
         compare_with_plain=speculative.compare_with_plain,
     )
@@ -271,6 +332,12 @@ def _create_speculative_decoder(
     if not isinstance(config.max_gen_len, int):
         raise RecipeError(
             f"`seq_generator.config.max_gen_len` must be an integer when `speculative_decoding.enabled` is `True`, but is {config.max_gen_len} instead."
+        )
+
+    # The decoder ends a response at its first end token, wherever it is.
+    if config.min_gen_len != 1:
+        raise RecipeError(
+            f"`seq_generator.config.min_gen_len` must be 1 when `speculative_decoding.enabled` is `True`, but is {config.min_gen_len} instead."
         )
 
     mtp = find_mtp(model)
@@ -371,14 +438,17 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         tokenizer: Tokenizer,
         output_stream: TextIO | None,
         *,
+        budget: ResponseBudget,
         speculative_decoder: GreedyDecoder | None = None,
         compare_with_plain: bool = True,
     ) -> None:
         """
+        :param budget: The budget of ``generator``'s responses.
         :param speculative_decoder: If not ``None``, generates the responses
             in place of ``generator``.
         """
         self._generator = generator
+        self._budget = budget
         self._stop_indices = get_stop_indices(tokenizer)
         self._decoder = tokenizer.create_decoder(skip_special_tokens=True)
         self._output_stream = output_stream
@@ -405,6 +475,8 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         if self._mtp is not None:
             metric_bag.add("mtp_acceptance", Mean())
 
+        metric_bag.add("num_truncated", Sum())
+
     @final
     @override
     def process_batch(self, batch: SequenceBatch, metric_bag: MetricBag) -> None:
@@ -415,7 +487,16 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         else:
             response_seqs = self._generate_speculatively(seqs, seqs_layout, metric_bag)
 
-        response_seqs = [_cut_after_stop(seq, self._stop_indices) for seq in response_seqs]
+        cuts = [
+            _cut_response(seq, self._budget.for_prompt(seq_len), self._stop_indices)
+            for seq, seq_len in zip(response_seqs, seqs_layout.seq_lens)
+        ]
+
+        response_seqs = [seq for seq, _ in cuts]
+
+        truncated = [is_truncated for _, is_truncated in cuts]
+
+        metric_bag.get("num_truncated", Sum).update(sum(truncated))
 
         responses = [self._decoder(seq) for seq in response_seqs]
 
@@ -427,7 +508,9 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
         if self._output_stream is None:
             return
 
-        for record in records:
+        for record, is_truncated in zip(records, truncated):
+            record["truncated"] = is_truncated
+
             self._output_stream.write(json.dumps(record, ensure_ascii=False))
             self._output_stream.write("\n")
 

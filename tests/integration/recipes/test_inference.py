@@ -54,13 +54,15 @@ class TestInferenceRecipesCPU:
         assert len(records) == 3
 
         for record in records:
-            assert set(record) == {"id", "question", "reference", "generation", "reference_answer", "answer", "correct"}
+            assert set(record) == {"id", "question", "reference", "generation", "reference_answer", "answer", "correct", "truncated"}
 
             assert record["correct"] == (record["answer"] == record["reference_answer"])
 
         [values] = read_metric_records(eval_dir, "generation")
 
         assert values["Accuracy"] == pytest.approx(sum(r["correct"] for r in records) / 3)
+
+        assert values["Number of Truncated Responses"] == sum(r["truncated"] for r in records)
 
         prompts = tmp_path / "prompts.jsonl"
 

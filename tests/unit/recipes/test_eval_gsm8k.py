@@ -16,7 +16,7 @@ from fairseq2.recipe.error import RecipeError
 
 from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer, Qwen35TokenizerConfig, get_qwen35_tokenizer_dir, load_qwen35_tokenizer
 from qwen35_fs2.recipes.eval_gsm8k import Gsm8kEvalUnit
-from qwen35_fs2.recipes.generation import GENERATION_PAD_TOKEN, check_generation_pad, create_prompt_reader, get_stop_indices
+from qwen35_fs2.recipes.generation import GENERATION_PAD_TOKEN, ResponseBudget, check_generation_pad, create_prompt_reader, get_stop_indices
 from qwen35_fs2.recipes.instruction import ChatEncoder
 
 CPU = torch.device("cpu")
@@ -64,7 +64,7 @@ class TestGsm8kEvalUnit:
 
         stream = io.StringIO()
 
-        unit = Gsm8kEvalUnit(generator, tokenizer, stream)
+        unit = Gsm8kEvalUnit(generator, tokenizer, stream, budget=ResponseBudget(512, 4096))
 
         metric_bag = MetricBag(CPU)
 
@@ -117,13 +117,15 @@ class TestMtpAcceptanceInEvaluation:
 
             final_proj[1000:1004] = torch.randn(4, final_proj.size(1), generator=torch.Generator().manual_seed(1))
 
-        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=12, temperature=1.0)
+        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=24, temperature=1.0)
 
         reader = create_prompt_reader(_EXAMPLES, tokenizer, create_fake_gangs(CPU), batch_size=3, prefetch=0)
 
         [batch] = next(reader)
 
-        unit = Gsm8kEvalUnit(generator, tokenizer, None)
+        budget = ResponseBudget(24, 4096)
+
+        unit = Gsm8kEvalUnit(generator, tokenizer, None, budget=budget)
 
         metric_bag = MetricBag(CPU)
 
@@ -142,7 +144,10 @@ class TestMtpAcceptanceInEvaluation:
             accepted, counted = 0, 0
 
             for row, (prompt_len, hypotheses) in enumerate(zip(layout.seq_lens, output.hypotheses)):
-                full = torch.cat([seqs[row, :prompt_len], hypotheses[0].seq])
+                # The response as the unit cuts it (no end token here).
+                response = hypotheses[0].seq[: budget.for_prompt(prompt_len)]
+
+                full = torch.cat([seqs[row, :prompt_len], response])
 
                 inputs = full[:-1].unsqueeze(0)
 
@@ -162,6 +167,80 @@ class TestMtpAcceptanceInEvaluation:
         assert 0 < accepted < counted, (accepted, counted)
 
         assert float(metric_bag.get("mtp_acceptance", Mean).compute()) == accepted / counted
+
+
+class TestResponseBudget:
+    @pytest.mark.parametrize(
+        ("budget", "prompt_len", "expected"),
+        [
+            # fairseq2 forces the end token at the last of `max_gen_len`.
+            (ResponseBudget(8, 4096), 3, 7),
+            (ResponseBudget(8, 4096), 300, 7),
+            # `max_seq_len` caps prompt and response together.
+            (ResponseBudget(8, 20), 15, 4),
+            (ResponseBudget(8, 20), 20, 0),
+            # Sampling takes `b` of `(a, b)`; beam search `a * prompt + b`.
+            (ResponseBudget((1.5, 8), 4096), 10, 7),
+            (ResponseBudget((0.5, 8), 4096, scales_with_prompt=True), 10, 12),
+        ],
+    )
+    def test_is_what_the_prompt_gets_as_the_longest_of_its_batch(self, budget: ResponseBudget, prompt_len: int, expected: int) -> None:
+        assert budget.for_prompt(prompt_len) == expected
+
+    def test_a_response_is_the_same_whatever_the_prompts_beside_it(self, tokenizer: Qwen35Tokenizer) -> None:
+        from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
+
+        from qwen35_fs2.models.qwen35 import create_qwen35_model
+        from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, tiny_qwen35_config
+
+        torch.manual_seed(0)
+
+        config = tiny_qwen35_config()
+
+        config.vocab_size = 248_320
+        config.pad_idx = ENDOFTEXT_IDX
+
+        model = create_qwen35_model(config).eval()
+
+        # A random model writes no end token: every response runs out.
+        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=8, temperature=1.0)
+
+        examples = [
+            {"id": "short", "prompt": "Hi?", "response": "#### 1"},
+            {"id": "long", "prompt": "What is " + " + ".join(map(str, range(40))) + "?", "response": "#### 780"},
+        ]
+
+        def records(batch_size: int) -> list[dict[str, object]]:
+            reader = create_prompt_reader(examples, tokenizer, create_fake_gangs(CPU), batch_size=batch_size, prefetch=0)
+
+            stream = io.StringIO()
+
+            unit = Gsm8kEvalUnit(generator, tokenizer, stream, budget=ResponseBudget(8, 4096))
+
+            metric_bag = MetricBag(CPU)
+
+            unit.prepare_metric_bag(metric_bag)
+
+            with torch.no_grad():
+                for batches in reader:
+                    for batch in batches:
+                        unit.process_batch(batch, metric_bag)
+
+            assert int(metric_bag.get("num_truncated", Sum).compute()) == 2
+
+            return [json.loads(line) for line in stream.getvalue().splitlines()]
+
+        together, alone = records(batch_size=2), records(batch_size=1)
+
+        # fairseq2 gives the short prompt the long one's allowance in a
+        # batch (8 tokens more than its own); cut, it says the same.
+        assert together == alone
+
+        assert all(r["truncated"] is True for r in together)
+
+        encoder = tokenizer.create_encoder(mode="prompt_response")
+
+        assert len(encoder(together[0]["generation"])) <= 7
 
 
 class TestStopTokens:

@@ -24,12 +24,16 @@ from fairseq2.data.tokenizers import VocabularyInfo
 from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout
+from fairseq2.recipe.config import TOP_K_SAMPLER, SamplerChoice, SamplingConfig, SequenceGeneratorSection, TopKSamplerConfig
+from fairseq2.recipe.error import RecipeError
 
 from qwen35_fs2.models.qwen35 import create_qwen35_model
 from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35_moe.config import Qwen35ExpertsConfig, Qwen35MoeConfig
 from qwen35_fs2.nn.mtp import Qwen35MultiTokenPredictor, find_mtp
+from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.recipes.generation import _create_speculative_decoder
 from qwen35_fs2.recipes.speculative import DecodingOutput, GreedyDecoder
 
 _PROMPT_LENS = (3, 17, 40)
@@ -218,3 +222,16 @@ class TestBadInput:
     def test_rejects_a_max_gen_len_below_one(self) -> None:
         with pytest.raises(ValueError, match=r"`max_gen_len` must be greater than or equal to 1, but is 0 instead"):
             GreedyDecoder(_make_model("dense"), _VOCAB_INFO, max_gen_len=0)
+
+
+class TestSpeculativeDecodingConfig:
+    def test_a_minimum_response_length_is_refused(self, tokenizer: Qwen35Tokenizer) -> None:
+        # fairseq2's generator holds the end token back for `min_gen_len`
+        # tokens; the speculative decoder ends at the first one.
+        section = SequenceGeneratorSection(
+            name="sampling",
+            config=SamplingConfig(sampler=SamplerChoice(name=TOP_K_SAMPLER, config=TopKSamplerConfig(k=1)), max_gen_len=16, min_gen_len=4),
+        )
+
+        with pytest.raises(RecipeError, match=r"^`seq_generator.config.min_gen_len` must be 1 when `speculative_decoding.enabled` is `True`, but is 4 instead\.$"):
+            _create_speculative_decoder(torch.nn.Identity(), tokenizer, section)
