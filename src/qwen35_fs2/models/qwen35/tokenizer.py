@@ -273,10 +273,11 @@ class Qwen35TokenizerConfig:
 
     pad_token: str = "<|endoftext|>"
     """
-    The pad token; its index is the vocabulary's ``pad_idx``, even where it
-    equals ``eos_token``, as in pretraining on documents. There the pad index
-    is the end of every document, a target the loss must count, so the
-    model's ``pad_idx`` must be ``None`` (the pretraining recipe checks).
+    The pad token; its index is the vocabulary's ``pad_idx``, except where it
+    equals ``eos_token``, as in pretraining on documents: fairseq2's
+    ``VocabularyInfo`` then sets ``pad_idx`` to ``None``. There the token is
+    the end of every document, a target the loss must count, so the model's
+    ``pad_idx`` must be ``None`` too (the pretraining recipe checks).
     """
 
     enable_thinking: bool = False
