@@ -185,12 +185,10 @@ class ResponseBudget:
     """
 
     max_gen_len: int | tuple[float, int]
+    """As in the generator's configuration: fairseq2's decoder-only sampling
+    and beam search generators take ``b`` of ``(a, b)``."""
 
     max_seq_len: int
-
-    scales_with_prompt: bool = False
-    """If ``True`` (beam search), a ``max_gen_len`` of ``(a, b)`` gives
-    ``a * prompt length + b`` tokens; sampling takes ``b`` alone."""
 
     @staticmethod
     def of(section: SequenceGeneratorSection, model: Module) -> ResponseBudget:
@@ -205,17 +203,12 @@ class ResponseBudget:
         if config.max_seq_len is not None:
             max_seq_len = min(max_seq_len, config.max_seq_len)
 
-        return ResponseBudget(config.max_gen_len, max_seq_len, scales_with_prompt=isinstance(config, BeamSearchConfig))
+        return ResponseBudget(config.max_gen_len, max_seq_len)
 
     def for_prompt(self, prompt_len: int) -> int:
         """Returns the tokens a response to a prompt of ``prompt_len``
         tokens may hold before its end token."""
-        if isinstance(self.max_gen_len, int):
-            max_gen_len = self.max_gen_len
-        elif self.scales_with_prompt:
-            max_gen_len = int(self.max_gen_len[0] * prompt_len + self.max_gen_len[1])
-        else:
-            max_gen_len = self.max_gen_len[1]
+        max_gen_len = self.max_gen_len if isinstance(self.max_gen_len, int) else self.max_gen_len[1]
 
         return max(min(max_gen_len, self.max_seq_len - prompt_len) - 1, 0)
 

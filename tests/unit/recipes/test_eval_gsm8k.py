@@ -179,13 +179,27 @@ class TestResponseBudget:
             # `max_seq_len` caps prompt and response together.
             (ResponseBudget(8, 20), 15, 4),
             (ResponseBudget(8, 20), 20, 0),
-            # Sampling takes `b` of `(a, b)`; beam search `a * prompt + b`.
+            # fairseq2's decoder-only generators take `b` of `(a, b)`.
             (ResponseBudget((1.5, 8), 4096), 10, 7),
-            (ResponseBudget((0.5, 8), 4096, scales_with_prompt=True), 10, 12),
         ],
     )
     def test_is_what_the_prompt_gets_as_the_longest_of_its_batch(self, budget: ResponseBudget, prompt_len: int, expected: int) -> None:
         assert budget.for_prompt(prompt_len) == expected
+
+    @pytest.mark.parametrize("name", ["sampling", "beam_search"])
+    def test_of_a_generator_config_takes_b_of_a_b_as_fairseq2s_generators(self, name: str) -> None:
+        from types import SimpleNamespace
+
+        from fairseq2.recipe.config import BeamSearchConfig, SamplingConfig, SequenceGeneratorSection
+
+        config = SamplingConfig(max_gen_len=(1.0, 128), max_seq_len=300) if name == "sampling" else BeamSearchConfig(max_gen_len=(1.0, 128), max_seq_len=300)
+
+        budget = ResponseBudget.of(SequenceGeneratorSection(name=name, config=config), SimpleNamespace(max_seq_len=4096))  # type: ignore[arg-type]
+
+        assert budget.for_prompt(100) == 127
+
+        # `max_seq_len` of the config caps the model's.
+        assert budget.for_prompt(250) == 49
 
     def test_a_response_is_the_same_whatever_the_prompts_beside_it(self, tokenizer: Qwen35Tokenizer) -> None:
         from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
