@@ -110,13 +110,14 @@ def load_lora_base(checkpoint_dir: Path) -> LoraBase:
     except (OSError, yaml.YAMLError) as ex:
         raise LoraBaseError(f"{file} cannot be read: {ex}") from None
 
-    if (
-        not isinstance(record, dict)
-        or not isinstance(record.get("path"), str)
-        or not isinstance(record.get("fingerprint"), str)
-        or not isinstance(record.get("lora"), dict)
-    ):
+    if not isinstance(record, dict) or not isinstance(record.get("path"), str) or not isinstance(record.get("fingerprint"), str):
         raise LoraBaseError(f"{file} must hold the `path` and `fingerprint` of a base model and the `lora` configuration of its adapters, but does not.")
+
+    if not isinstance(record.get("lora"), dict):
+        raise LoraBaseError(
+            f"{file} must hold the `lora` configuration the adapters were trained with, but was written by an earlier version, which recorded the base alone. "
+            "Add the run's `lora` section to it as `lora:` (that of its config.yaml, unless the run was started again with other adapter settings)."
+        )
 
     try:
         lora = LoraConfig(**record["lora"])
@@ -166,7 +167,13 @@ def check_lora_config(recorded: LoraBase, lora: LoraConfig) -> None:
     for name in _LORA_FUNCTION_FIELDS:
         value, recorded_value = getattr(lora, name), getattr(recorded.lora, name)
 
-        if value != recorded_value:
+        # The targets in any order put on the same adapters.
+        if isinstance(value, list) and isinstance(recorded_value, list):
+            differs = sorted(value) != sorted(recorded_value)
+        else:
+            differs = value != recorded_value
+
+        if differs:
             raise LoraBaseError(
                 f"`lora.{name}` must be the one the LoRA adapters of the checkpoints were trained with, {recorded_value}, but is {value} instead. "
                 "Set it back to resume the run, or start a new run in another output directory."

@@ -262,6 +262,26 @@ class TestLoraRuns:
         assert f"CHECKPOINT must be of a LoRA run (with a `lora` section in its config.yaml) to be exported with `{flag}`, but step 4 of" in _errors(caplog)
         assert not (tmp_path / "out").exists()
 
+    def test_a_record_left_by_a_lora_run_without_checkpoints_is_ignored(self, run_dir: Path, lora_run_dir: Path, tmp_path: Path) -> None:
+        # A LoRA run stopped before its first checkpoint, then a full run in
+        # the same directory: its config.yaml has no `lora` section.
+        other = tmp_path / "run"
+
+        other.mkdir()
+
+        (other / "config.yaml").symlink_to(run_dir / "config.yaml")
+
+        (other / "checkpoints").mkdir()
+
+        for path in (run_dir / "checkpoints").iterdir():
+            (other / "checkpoints" / path.name).symlink_to(path)
+
+        (other / "checkpoints" / LORA_BASE_FILE).symlink_to(lora_run_dir / "checkpoints" / LORA_BASE_FILE)
+
+        assert main([str(other), str(tmp_path / "out")]) == 0
+
+        assert torch.equal(read_safetensors_dir(tmp_path / "out")["model.norm.weight"], torch.full((64,), 4.0))
+
     def test_fails_for_a_lora_run_without_the_record_of_its_base_and_adapters(self, lora_run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         run_dir = tmp_path / "run"
 

@@ -97,13 +97,30 @@ class TestLoraBase:
 
         save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
 
-        # Raises if the adapters were not the recorded ones.
-        check_lora_config(load_lora_base(tmp_path / "checkpoints"), replace(_LORA, dropout_p=0.0))
+        recorded = load_lora_base(tmp_path / "checkpoints")
 
-    def test_a_record_without_the_adapters_is_an_error(self, tmp_path: Path) -> None:
+        assert recorded.lora.dropout_p == 0.1
+
+        # Raises if the adapters were not the recorded ones.
+        check_lora_config(recorded, replace(_LORA, dropout_p=0.0))
+
+    def test_another_order_of_the_targets_is_accepted(self, tmp_path: Path) -> None:
+        base = _save_base(tmp_path / "base")
+
+        save_lora_base(tmp_path / "checkpoints", describe_lora_base(base, _LORA))
+
+        recorded = load_lora_base(tmp_path / "checkpoints")
+
+        assert recorded.lora.target_modules == ["q_proj", "out_proj"]
+
+        # Raises if the adapters were not the recorded ones.
+        check_lora_config(recorded, replace(_LORA, target_modules=["out_proj", "q_proj"]))
+
+    def test_a_record_of_an_earlier_version_asks_for_the_adapters(self, tmp_path: Path) -> None:
+        # As the record was before it held the adapters' settings.
         (tmp_path / LORA_BASE_FILE).write_text(yaml.safe_dump({"path": str(tmp_path), "fingerprint": "0" * 64}))
 
-        with pytest.raises(LoraBaseError, match=r"must hold the `path` and `fingerprint` of a base model and the `lora` configuration of its adapters, but does not\."):
+        with pytest.raises(LoraBaseError, match=r"must hold the `lora` configuration the adapters were trained with, but was written by an earlier version, which recorded the base alone\. Add the run's `lora` section to it"):
             load_lora_base(tmp_path)
 
     def test_a_record_of_invalid_adapters_is_an_error(self, tmp_path: Path) -> None:

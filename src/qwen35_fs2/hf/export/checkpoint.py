@@ -40,7 +40,7 @@ from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
 from qwen35_fs2.lora import apply_lora, check_peft_base, merge_lora_state_dict, save_peft_adapter
-from qwen35_fs2.lora.checkpoint import LORA_BASE_FILE, LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
+from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
 from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
@@ -454,11 +454,11 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
 
-    # A run is a LoRA run by its record, or by its config.yaml when the
-    # record is missing (an error). Its adapters are the record's: the
-    # config.yaml is rewritten each time the run is started, also by a
-    # resumption refused for another `lora` section.
-    if (checkpoint_dir / LORA_BASE_FILE).exists() or ((run_dir / "config.yaml").is_file() and _run_has_lora(run_dir)):
+    # A LoRA run by its config.yaml (a record may be left over from a LoRA
+    # run that never saved a checkpoint). The adapters' settings are the
+    # record's: fairseq2 rewrites config.yaml each time the run is started,
+    # also by a resumption refused for another `lora` section.
+    if (run_dir / "config.yaml").is_file() and _run_has_lora(run_dir):
         try:
             lora_base = load_lora_base(checkpoint_dir)
         except LoraBaseError as ex:
