@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import re
 
 import pytest
@@ -299,6 +300,31 @@ class TestCreateSFTReader:
 
         with pytest.raises(ValueError, match=rf"^The reader state must be loaded into a reader of the same examples and settings, but differs in {re.escape(named)}\."):
             create_reader(**change).load_state_dict(state)  # type: ignore[arg-type]
+
+
+    def test_loads_the_state_of_an_earlier_version_without_fingerprint_with_a_warning(self, tokenizer: Qwen35Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+        def create_reader():  # type: ignore[no-untyped-def]
+            return create_sft_reader(
+                _examples(20), ChatEncoder(tokenizer), create_fake_gangs(CPU), SFTBatching(max_seq_len=300, max_num_tokens=600), pad_idx=tokenizer.vocab_info.pad_idx, split_name="train", shuffle_window=None, seed=5, prefetch=0  # type: ignore[arg-type]
+            )
+
+        reader = create_reader()
+
+        next(reader)
+
+        # The pipeline's state alone, as earlier versions saved it.
+        state = reader.state_dict()["pipeline"]
+
+        expected = _ids([b for batches in reader for b in batches])
+
+        resumed = create_reader()
+
+        with caplog.at_level(logging.WARNING):
+            resumed.load_state_dict(state)
+
+        assert "has no fingerprint (an earlier version saved it)" in caplog.text
+
+        assert _ids([b for batches in resumed for b in batches]) == expected
 
 
 class TestFairseq2nDynamicBucket:

@@ -181,6 +181,14 @@ class _FingerprintedReader(DelegatingReader[SequenceBatch]):
 
     @override
     def load_state_dict(self, state_dict: dict[str, object]) -> None:
+        # The pipeline state alone, as earlier versions saved it.
+        if "fingerprint" not in state_dict and "pipeline" not in state_dict:
+            log.warning("The SFT reader state of the checkpoint has no fingerprint (an earlier version saved it): whether it belongs to the same examples and settings cannot be checked.")  # fmt: skip
+
+            self._reader.load_state_dict(state_dict)
+
+            return
+
         fingerprint = state_dict.get("fingerprint")
 
         if not isinstance(fingerprint, dict) or "pipeline" not in state_dict:
