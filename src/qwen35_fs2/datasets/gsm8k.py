@@ -51,16 +51,16 @@ FINAL_ANSWER_MARKER: Final = "####"
 # Thousands separators count only before a group of exactly three digits:
 # `1,2345` is no 1,234 and 5.
 _NUMBER: Final = (
-    r"(?:(?<![\w\-\u2212])(?P<sign>[-\u2212]))?\$?"
+    r"(?:(?<![\w\-\u2212])(?P<sign>[-\u2212]))?(?:\$[ \t]*)?"
     r"(?P<number>\d{1,3}(?:,\d{3})+(?!\d)(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
 )
 
 _NUMBER_RE: Final = re.compile(_NUMBER)
 
-# The final answer line of GSM8K: the marker at the start of a line, then
-# the number. Not a Markdown heading (`#### Step 2: add`, `##### Note`),
-# which a chat model's free-form answer may hold.
-_FINAL_ANSWER_RE: Final = re.compile(rf"^[ \t]*{FINAL_ANSWER_MARKER}(?!#)[ \t]*{_NUMBER}", re.MULTILINE)
+# The final answer of GSM8K: the marker, then the number. Not a Markdown
+# heading (`#### Step 2: add`, `##### Note: 3 items`), which a chat model's
+# free-form answer may hold: no word after the marker, no fifth `#`.
+_FINAL_ANSWER_RE: Final = re.compile(rf"(?<!#){FINAL_ANSWER_MARKER}(?!#)[ \t]*{_NUMBER}")
 
 
 def extract_gsm8k_answer(text: str) -> str | None:
@@ -68,8 +68,8 @@ def extract_gsm8k_answer(text: str) -> str | None:
     completion) in a canonical form, so ``1,234``, ``1234`` and ``1234.00``
     compare equal.
 
-    The number is that of the last line starting with the ``####`` marker
-    and a number; without such a line, the last number of ``text``. Returns
+    The number is the one right after the last ``####`` marker followed by
+    a number; without such a marker, the last number of ``text``. Returns
     ``None`` if there is none.
     """
     match = None

@@ -66,6 +66,17 @@ class TestExtractFinalAnswer:
     def test_a_minus_sign_must_touch_its_number(self, text: str, expected: str) -> None:
         assert extract_gsm8k_answer(text) == expected
 
+    @pytest.mark.parametrize(
+        ("text", "expected"),
+        [
+            ("The answer is #### 72 (24 + 48, over 2 months)", "72"),
+            ("So the total is: #### 18\nI hope this helps with step 1!", "18"),
+            ("#### $ 18 dollars for 2 days", "18"),
+        ],
+    )
+    def test_a_marker_inside_a_line_counts(self, text: str, expected: str) -> None:
+        assert extract_gsm8k_answer(text) == expected
+
     def test_does_not_read_list_commas_as_thousands_separators(self) -> None:
         assert extract_gsm8k_answer("The numbers are 3,4") == "4"
 
