@@ -113,7 +113,7 @@ def check_restored_config(context: RecipeContext, config: _TrainingConfig) -> No
         raise RecipeError(
             f"A resumed run must have the optimizer and learning-rate settings its checkpoints in {checkpoint_dir} were trained with, which it restores from them, but: {'; '.join(differences)}. "
             "Set them back to resume the run, or start a new run in another output directory from this run's model "
-            "(`model.name=checkpoint_step_N common.assets.prev_checkpoint_dir=<this run>/checkpoints`)."
+            "(`model.name=checkpoint_step_N common.assets.prev_checkpoint_dir=<this run>/checkpoints`; for a LoRA run, its checkpoint exported with `fairseq2 lm export_hf --merge` as `model.path`)."
         )
 
 
