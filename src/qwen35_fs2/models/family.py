@@ -9,7 +9,7 @@ of on rank 0.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from torch.nn import Module
 from typing_extensions import override
@@ -19,6 +19,7 @@ from fairseq2.data_type import DataType
 from fairseq2.error import InternalError
 from fairseq2.gang import Gangs
 from fairseq2.logging import log
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily
 from fairseq2.models.family import (
     LayerwiseACApplier,
@@ -47,7 +48,7 @@ from qwen35_fs2.hf.config import (
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, MetaModelOrigin, ShardedCheckpointLoading
 from qwen35_fs2.models.qwen35.config import Qwen35Config
-from qwen35_fs2.models.qwen35.interop import is_hg_state_dict
+from qwen35_fs2.models.qwen35.interop import has_mtp_tensors, is_hg_state_dict
 
 
 class Qwen35ModelFamily(CheckpointLoadingHookFamily):
@@ -140,6 +141,28 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         return model
 
     @override
+    def load_custom_model(
+        self,
+        path: Path,
+        config: object,
+        gangs: Gangs,
+        dtype: DataType,
+        load_rank0_only: bool,
+        mmap: bool,
+        restrict: bool | None,
+    ) -> Module:
+        """Loads the checkpoint at ``path`` (a recipe's ``model.path``) as
+        fairseq2 does, after checking that ``config`` describes the model of
+        its ``config.json``, if it is a Hugging Face checkpoint
+        (:func:`check_hf_checkpoint_config`)."""
+        if isinstance(config, Qwen35Config) and _is_hf_checkpoint(path):
+            check_hf_checkpoint_config(path, config)
+
+        model: Module = super().load_custom_model(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
+
+        return model
+
+    @override
     def load_checkpoint(self, request: CheckpointLoadRequest) -> Module:
         sharded_loading = self.sharded_loading
 
@@ -155,6 +178,58 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         sharded_loading.defer(model, DeferredCheckpoint(path, config))
 
         return model
+
+
+# The fields of a configuration that a run may set apart from the
+# checkpoint's config.json: the token that is padding, the longest sequence
+# the run expects, the scale of the initialization (which a loaded model
+# does not use), and whether the MTP head is trained (its tensors are left
+# out without one; said in the log below).
+_RUN_SETTINGS: Final = ("pad_idx", "max_seq_len", "init_std", "mtp_num_layers")
+
+
+def check_hf_checkpoint_config(path: Path, config: Qwen35Config) -> None:
+    """Checks that ``config`` describes the model of the Hugging Face
+    checkpoint directory ``path``, as its ``config.json`` does.
+
+    A checkpoint named by ``model.path`` is loaded with the configuration of
+    ``model.arch`` (or the family's default) and ``model.config_overrides``,
+    not with its ``config.json``, which fairseq2 0.8.1 does not read there.
+    A field that changes no tensor's shape (``rope_theta``,
+    ``partial_rotary_factor``, ``rms_norm_eps``, ``normalize_top_k``, ...)
+    would load the weights into a model computing something else without a
+    word; an asset card (``model.name``) takes them from the checkpoint.
+
+    A checkpoint without ``config.json`` has nothing to check against.
+
+    :raises CorruptModelCheckpointError: if a field differs.
+    """
+    if not path.joinpath("config.json").is_file():
+        return
+
+    try:
+        checkpoint_config = qwen35_config_from_hf(load_hf_config(path))
+    except (ValueError, ValidationError) as ex:
+        raise CorruptModelCheckpointError(path, f"The config.json of {path} must describe a Qwen3.5 model, but does not: {ex}") from ex
+
+    if type(checkpoint_config) is not type(config):
+        raise CorruptModelCheckpointError(
+            path, f"The config.json of {path} must describe a `{type(config).__name__}` model, but describes a `{type(checkpoint_config).__name__}` instead."
+        )
+
+    if config.mtp_num_layers == 0 and has_mtp_tensors(index_safetensors(path).keys()):
+        log.warning("{} has an MTP head, which the model is loaded without (`mtp_num_layers` is 0); set `model.config_overrides: {{mtp_num_layers: 1}}` to load and train it.", path)  # fmt: skip
+
+    _, changes = adopt_hf_architecture(config, checkpoint_config)
+
+    changes = [change for change in changes if change.split("`")[1] not in _RUN_SETTINGS]
+
+    if changes:
+        raise CorruptModelCheckpointError(
+            path,
+            f"The model configuration must be the one of the config.json of {path}, but differs in: {', '.join(changes)} (the model's value -> the checkpoint's). "
+            "fairseq2 configures a model of `model.path` by `model.arch` and `model.config_overrides` alone: set them to the checkpoint's values, or name the checkpoint by an asset card (`model.name`), whose configuration comes from its config.json.",
+        )
 
 
 def _is_hf_checkpoint(path: Path) -> bool:

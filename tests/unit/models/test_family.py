@@ -6,8 +6,12 @@ shards are tested by
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from torch import Tensor
@@ -15,9 +19,11 @@ from torch.nn import Module
 
 from fairseq2.device import CPU, META_DEVICE
 from fairseq2.gang import create_fake_gangs
+from fairseq2.model_checkpoint import CorruptModelCheckpointError
 from fairseq2.models import ModelFamily
 from fairseq2.runtime.dependency import get_dependency_resolver
 
+from qwen35_fs2.hf.export import build_hf_config
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, ShardedCheckpointLoading
 from qwen35_fs2.models.family import Qwen35ModelFamily
@@ -104,3 +110,67 @@ class TestQwen35ModelFamily:
         _assert_state_dict(model, trained)
 
         assert loading.take(model) is None
+
+
+def _save_hf_checkpoint(path: Path, config: Qwen35Config) -> dict[str, Tensor]:
+    """Saves a random model of ``config`` with its config.json; returns its
+    state."""
+    trained = _random_model(config).state_dict()
+
+    save_file(to_hg_state_dict(trained, config), path / "model.safetensors")
+
+    hf_config = build_hf_config(config, base=None, text_only=True, dtype=torch.float32, num_mtp_layers=config.mtp_num_layers)
+
+    (path / "config.json").write_text(json.dumps(hf_config))
+
+    return trained
+
+
+class TestModelPathConfig:
+    """A checkpoint of ``model.path`` is configured by ``model.arch`` and the
+    overrides, which must describe the model of its config.json."""
+
+    @pytest.mark.parametrize("sharded", [False, True], ids=["rank0", "sharded"])
+    def test_refuses_a_config_that_differs_in_fields_of_no_shape(self, tmp_path: Path, sharded: bool) -> None:
+        checkpoint_config = tiny_qwen35_config()
+
+        checkpoint_config.rope_theta = 1234.0
+        checkpoint_config.rms_norm_eps = 1e-2
+
+        _save_hf_checkpoint(tmp_path, checkpoint_config)
+
+        family = _family(ShardedCheckpointLoading() if sharded else None)
+
+        with pytest.raises(CorruptModelCheckpointError, match=r"must be the one of the config.json of .*, but differs in: `rope_theta` 10000000.0 -> 1234.0, `rms_norm_eps` 1e-06 -> 0.01 \(the model's value -> the checkpoint's\)"):
+            _load(family, tmp_path, tiny_qwen35_config())
+
+    def test_loads_with_the_checkpoints_config_and_run_settings_of_its_own(self, tmp_path: Path) -> None:
+        config = tiny_qwen35_config()
+
+        trained = _save_hf_checkpoint(tmp_path, config)
+
+        run_config = copy.deepcopy(config)
+
+        # Pretraining pads with nothing, a run may train shorter sequences.
+        run_config.pad_idx = None
+        run_config.max_seq_len = 512
+
+        _assert_state_dict(_load(_family(None), tmp_path, run_config), trained)
+
+    def test_says_when_the_checkpoints_mtp_head_is_left_out(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        config = tiny_qwen35_config()
+
+        config.mtp_num_layers = 1
+
+        _save_hf_checkpoint(tmp_path, config)
+
+        without_head = copy.deepcopy(config)
+
+        without_head.mtp_num_layers = 0
+
+        with caplog.at_level(logging.WARNING):
+            model = _load(_family(None), tmp_path, without_head)
+
+        assert f"{tmp_path} has an MTP head, which the model is loaded without" in caplog.text
+
+        assert not any(key.startswith("mtp.") for key in model.state_dict())
