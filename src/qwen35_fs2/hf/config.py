@@ -358,6 +358,15 @@ def _read_rope_parameters(text: Mapping[str, object]) -> tuple[float, float]:
             f"`{key}` must be a mapping, but is of type `{type(rope).__name__}` instead."
         )
 
+    # transformers' per-layer-type form (`{"full_attention": {...}}`), which
+    # Qwen3.5's rotary embedding does not read: its theta would be missed.
+    nested = [name for name, value in rope.items() if isinstance(value, Mapping)]
+
+    if nested:
+        raise ValueError(
+            f"`{key}` must hold the RoPE parameters of the attention layers, but holds mappings under {', '.join(f'`{name}`' for name in nested)} instead (parameters per layer type are not supported)."
+        )
+
     rope_type = rope.get("rope_type", rope.get("type", "default"))
 
     if rope_type != "default":

@@ -198,6 +198,8 @@ class TestQwen35ConfigFromHf:
             # then reads `rope_scaling` alone.
             ("rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262144}, "Only the 'default' RoPE type is supported, but `rope_scaling.rope_type` is 'yarn'."),
             ("linear_num_value_heads", 24, "`num_linear_value_heads` (24) must be a multiple"),
+            # transformers' per-layer-type form, read as defaults before.
+            ("rope_parameters", {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}, "`rope_parameters` must hold the RoPE parameters of the attention layers, but holds mappings under `full_attention` instead"),
         ],
     )
     def test_rejects_what_this_package_does_not_implement(
