@@ -7,6 +7,7 @@ with another base or other adapters is refused."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from fairseq2.gang import create_fake_gangs, set_gangs
 
+from qwen35_fs2.hf.export import build_hf_config
 from qwen35_fs2.hf.export.tensors import to_hg_state_dict
 from qwen35_fs2.models.qwen35 import convert_qwen35_state_dict, create_qwen35_model, get_qwen35_model_hub
 
@@ -44,7 +46,7 @@ OVERRIDES = (
 
 def _save_random_hf_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Saves a random model of the tiny configuration as a Hugging Face
-    checkpoint; returns its tensors under our names."""
+    checkpoint with its config.json; returns its tensors under our names."""
     config = get_qwen35_model_hub().get_arch_config("qwen35_demo")
 
     for name, size in _TINY_SIZES.items():
@@ -60,6 +62,11 @@ def _save_random_hf_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     path.mkdir()
 
     save_file(hg, str(path / "model.safetensors"))
+
+    # As an export writes it: `model.path` is checked against it.
+    hf_config = build_hf_config(config, base=None, text_only=True, dtype=torch.float32, num_mtp_layers=0)
+
+    (path / "config.json").write_text(json.dumps(hf_config))
 
     # Read back, independently of the model.
     return {key: tensor for key, tensor in convert_qwen35_state_dict(load_file(path / "model.safetensors"), config).items() if isinstance(tensor, torch.Tensor)}
