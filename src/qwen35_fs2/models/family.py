@@ -8,6 +8,7 @@ of on rank 0.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Final, TypeVar
 
@@ -45,7 +46,7 @@ from qwen35_fs2.hf.config import (
     load_hf_config,
     qwen35_config_from_hf,
 )
-from qwen35_fs2.hf.safetensors import index_safetensors
+from qwen35_fs2.hf.safetensors import SafetensorsTensor, index_safetensors
 from qwen35_fs2.hf.sharded_loading import DeferredCheckpoint, MetaModelOrigin, ShardedCheckpointLoading
 from qwen35_fs2.models.qwen35.config import Qwen35Config
 from qwen35_fs2.models.qwen35.interop import has_mtp_tensors, is_hg_state_dict
@@ -155,8 +156,11 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         fairseq2 does, after checking that ``config`` describes the model of
         its ``config.json``, if it is a Hugging Face checkpoint
         (:func:`check_hf_checkpoint_config`)."""
-        if isinstance(config, Qwen35Config) and _is_hf_checkpoint(path):
-            check_hf_checkpoint_config(path, config)
+        if isinstance(config, Qwen35Config):
+            index = _hf_checkpoint_index(path)
+
+            if index is not None:
+                check_hf_checkpoint_config(path, config, index.keys())
 
         model: Module = super().load_custom_model(path, config, gangs, dtype, load_rank0_only, mmap, restrict)
 
@@ -168,7 +172,7 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
 
         path, config = request.path, request.config
 
-        if sharded_loading is None or not isinstance(config, Qwen35Config) or not _is_hf_checkpoint(path):
+        if sharded_loading is None or not isinstance(config, Qwen35Config) or _hf_checkpoint_index(path) is None:
             return super().load_checkpoint(request)
 
         log.info("Deferring the loading of {} until the model is sharded; each rank will read its own shards.", path)
@@ -188,9 +192,10 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
 _RUN_SETTINGS: Final = ("pad_idx", "max_seq_len", "init_std", "mtp_num_layers")
 
 
-def check_hf_checkpoint_config(path: Path, config: Qwen35Config) -> None:
+def check_hf_checkpoint_config(path: Path, config: Qwen35Config, keys: Collection[str]) -> None:
     """Checks that ``config`` describes the model of the Hugging Face
-    checkpoint directory ``path``, as its ``config.json`` does.
+    checkpoint directory ``path`` with tensors ``keys``, as its
+    ``config.json`` does.
 
     A checkpoint named by ``model.path`` is loaded with the configuration of
     ``model.arch`` (or the family's default) and ``model.config_overrides``,
@@ -217,7 +222,7 @@ def check_hf_checkpoint_config(path: Path, config: Qwen35Config) -> None:
             path, f"The config.json of {path} must describe a `{type(config).__name__}` model, but describes a `{type(checkpoint_config).__name__}` instead."
         )
 
-    if config.mtp_num_layers == 0 and has_mtp_tensors(index_safetensors(path).keys()):
+    if config.mtp_num_layers == 0 and has_mtp_tensors(keys):
         log.warning("{} has an MTP head, which the model is loaded without (`mtp_num_layers` is 0); set `model.config_overrides: {{mtp_num_layers: 1}}` to load and train it.", path)  # fmt: skip
 
     _, changes = adopt_hf_architecture(config, checkpoint_config)
@@ -232,11 +237,15 @@ def check_hf_checkpoint_config(path: Path, config: Qwen35Config) -> None:
         )
 
 
-def _is_hf_checkpoint(path: Path) -> bool:
+def _hf_checkpoint_index(path: Path) -> dict[str, SafetensorsTensor] | None:
+    """Returns the tensors of ``path`` by name if it is a Hugging Face
+    checkpoint directory, ``None`` otherwise."""
     if not path.is_dir() or not any(path.glob("*.safetensors")):
-        return False
+        return None
 
-    return is_hg_state_dict(index_safetensors(path))
+    index = index_safetensors(path)
+
+    return index if is_hg_state_dict(index) else None
 
 
 ConfigT = TypeVar("ConfigT", bound=Qwen35Config)
