@@ -31,7 +31,7 @@ from fairseq2.metrics.recorders import MetricDescriptor, MetricFormatter
 from fairseq2.models.clm import CausalLM
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn.data_parallel import get_data_parallel_facade, set_data_parallel_facade
-from fairseq2.recipe.config import LRSchedulerSection, ModelSection, OptimizerSection, RegimeSection, TrainerSection
+from fairseq2.recipe.config import ModelSection, TrainerSection
 from fairseq2.recipe.base import Recipe, RecipeContext
 from fairseq2.recipe.cli import register_cli_error
 from fairseq2.recipe.error import RecipeError
@@ -55,7 +55,7 @@ from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 from qwen35_fs2.recipes.idle_batches import is_idle_batch
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
-from qwen35_fs2.recipes.resume import check_restored_config
+from qwen35_fs2.recipes.resume import RestoredConfig, check_restored_config
 from qwen35_fs2.lora import LoraConfig
 from qwen35_fs2.parallel.expert_parallel import (
     ExpertParallelGroups,
@@ -121,14 +121,8 @@ class LMLossSection:
         return result
 
 
-class _LMTrainingConfig(Protocol):
+class _LMTrainingConfig(RestoredConfig, Protocol):
     model: ModelSection
-
-    optimizer: OptimizerSection
-
-    lr_scheduler: LRSchedulerSection | None
-
-    regime: RegimeSection
 
     loss: LMLossSection
 

@@ -45,7 +45,10 @@ RESTORED_CONFIG_FILE: Final = "restored_config.yaml"
 """The record of a run's restored settings, in its checkpoint directory."""
 
 
-class _TrainingConfig(Protocol):
+class RestoredConfig(Protocol):
+    """The sections of a training recipe's configuration that a resumed run
+    restores from its checkpoints."""
+
     optimizer: OptimizerSection
 
     lr_scheduler: LRSchedulerSection | None
@@ -53,7 +56,7 @@ class _TrainingConfig(Protocol):
     regime: RegimeSection
 
 
-def restored_settings(config: _TrainingConfig, value_converter: ValueConverter) -> dict[str, object]:
+def restored_settings(config: RestoredConfig, value_converter: ValueConverter) -> dict[str, object]:
     """Returns the settings of ``config`` that a resumed run takes from its
     checkpoints, by their paths in the configuration: ``optimizer``,
     ``lr_scheduler``, and ``regime.num_steps`` where the schedule's length
@@ -76,7 +79,7 @@ def restored_settings(config: _TrainingConfig, value_converter: ValueConverter) 
     return yaml.safe_load(yaml.safe_dump(settings, sort_keys=False))  # type: ignore[no-any-return]
 
 
-def check_restored_config(context: RecipeContext, config: _TrainingConfig) -> None:
+def check_restored_config(context: RecipeContext, config: RestoredConfig) -> None:
     """Records the restored settings of ``config`` when the run is new, and
     checks them against the record when it resumes.
 
