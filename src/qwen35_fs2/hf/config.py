@@ -17,13 +17,21 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from huggingface_hub import hf_hub_download
-from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+from huggingface_hub import get_safetensors_metadata, hf_hub_download, try_to_load_from_cache
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    NotASafetensorsRepoError,
+    OfflineModeIsEnabled,
+    SafetensorsParsingError,
+)
 
-from fairseq2.assets import AssetCard, AssetDownloadError
+from fairseq2.assets import AssetCard, AssetCardError, AssetDownloadError
 from fairseq2.logging import log
 from fairseq2.utils.uri import Uri
 
+from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, Qwen35Config, check_config
 from qwen35_fs2.models.qwen35.interop import has_mtp_tensors
 from qwen35_fs2.models.qwen35_moe.config import (
@@ -122,6 +130,64 @@ def _download_hub_config(card: AssetCard, uri: Uri) -> Path | None:
         return None
     except HfHubHTTPError as ex:
         raise AssetDownloadError(uri, "Hugging Face Hub returned an error.") from ex
+
+
+_HUB_INDEX_FILE: Final = "model.safetensors.index.json"
+
+
+def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Collection[str] | None:
+    """Returns the names of the tensors of the checkpoint of ``card``, whose
+    ``config.json`` :func:`find_checkpoint_hf_config` found in
+    ``checkpoint_dir``, or ``None`` where they cannot be had yet.
+
+    A local checkpoint has them in the headers of its safetensors files. A
+    Hugging Face Hub checkpoint (``hg://``) is downloaded by fairseq2 only
+    after the configuration is made, so on its first run the cache holds the
+    ``config.json`` alone; the names then come from the Hub (the index of a
+    sharded checkpoint and its files' headers, or the header of a single
+    file: kilobytes, which ``huggingface_hub`` reads without the tensors), so
+    that the first run makes the configuration the later ones make from the
+    cache. A cached index wins over the cached files, which an interrupted
+    download leaves incomplete.
+    """
+    uri = card.field("checkpoint").as_uri()
+
+    repo_id = str(uri).removeprefix("hg://") if uri.scheme == "hg" else None
+
+    if repo_id is not None:
+        cached_index = try_to_load_from_cache(repo_id, _HUB_INDEX_FILE)
+
+        if isinstance(cached_index, str):
+            return _read_index_tensor_names(card, Path(cached_index))
+
+    if any(checkpoint_dir.glob("*.safetensors")):
+        return index_safetensors(checkpoint_dir).keys()
+
+    if repo_id is None:
+        return None
+
+    try:
+        return get_safetensors_metadata(repo_id).weight_map.keys()
+    except (OfflineModeIsEnabled, HfHubHTTPError, NotASafetensorsRepoError, SafetensorsParsingError) as ex:
+        log.warning(
+            "The tensor names of {} cannot be had before fairseq2 downloads it ({}): a config.json that counts an MTP head which the checkpoint lacks (as transformers' `save_pretrained` leaves it) then makes the load fail.",
+            uri,
+            ex,
+        )
+
+        return None
+
+
+def _read_index_tensor_names(card: AssetCard, index_file: Path) -> Collection[str]:
+    try:
+        weight_map = json.loads(index_file.read_text(encoding="utf-8")).get("weight_map")
+    except (json.JSONDecodeError, AttributeError):
+        weight_map = None
+
+    if not isinstance(weight_map, dict):
+        raise AssetCardError(card.name, f"{index_file}, the safetensors index of the checkpoint of the {card.name} asset card, must be a JSON object with a `weight_map` object, but is not.")  # fmt: skip
+
+    return weight_map.keys()
 
 
 _SUPPORTED_TEXT_MODEL_TYPES: Final = ("qwen3_5_text",)

@@ -43,6 +43,7 @@ from qwen35_fs2.hf.config import (
     adopt_hf_architecture,
     drop_absent_mtp_head,
     find_checkpoint_hf_config,
+    find_checkpoint_tensor_names,
     load_hf_config,
     qwen35_config_from_hf,
 )
@@ -106,12 +107,10 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
 
         checkpoint_dir = config_file.parent
 
-        # The safetensors next to the config.json: a local checkpoint, or the
-        # Hub cache once fairseq2 downloaded them.
-        if any(checkpoint_dir.glob("*.safetensors")):
-            checkpoint_config = drop_absent_mtp_head(
-                checkpoint_config, index_safetensors(checkpoint_dir).keys(), checkpoint_dir
-            )
+        tensor_names = find_checkpoint_tensor_names(card, checkpoint_dir)
+
+        if tensor_names is not None:
+            checkpoint_config = drop_absent_mtp_head(checkpoint_config, tensor_names, checkpoint_dir)
 
         config, changes = adopt_hf_architecture(config, checkpoint_config)
 

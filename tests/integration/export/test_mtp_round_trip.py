@@ -11,17 +11,27 @@ their config.json here, as the released config.json files have it."""
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import Tensor
+
+from fairseq2.assets import AssetCard, AssetCardError
 
 from export_testing import DENSE_VLM, DENSE_VLM_BF16_TIED, MOE_VLM, read_config
 from hf_reference import TinyQwen35Spec, read_safetensors_dir
 from mtp_testing import NESTED_PREFIX, with_mtp_config
+from offline_hub import add_hub_snapshot, use_offline_hub_cache
+import qwen35_fs2.hf.config
 from qwen35_fs2 import load_hf_model, qwen35_config_from_hf, save_hf_model
+from qwen35_fs2.hf.safetensors import index_safetensors
+from qwen35_fs2.models.qwen35 import get_qwen35_model_hub
 from qwen35_fs2.nn.mtp import Qwen35MultiTokenPredictor
 
 pytestmark = pytest.mark.slow
@@ -162,3 +172,106 @@ class TestMtpRoundTrip:
         assert not any(k.startswith("mtp.") for k in read_safetensors_dir(tmp_path / "out"))
 
         assert read_config(tmp_path / "out")["text_config"]["mtp_num_hidden_layers"] == 0
+
+
+class TestHubCheckpointWithoutTheHead:
+    """An ``hg://`` card of a checkpoint whose config.json counts an MTP head
+    that its safetensors lack (transformers' ``save_pretrained``) gets the
+    same configuration on its first run, when the Hub cache holds only the
+    config.json (fairseq2 downloads the safetensors after the configuration
+    is made), as on the later ones: without the head."""
+
+    _REPO = "test-org/saved"
+
+    def _card(self) -> AssetCard:
+        metadata = {"name": "saved", "model_family": "qwen35", "model_arch": "qwen35_tiny", "checkpoint": f"hg://{self._REPO}"}
+
+        return AssetCard("saved", metadata)
+
+    def _config_only_snapshot(self, checkpoint: Path, hub_cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+        files_dir = checkpoint.parent / "config_only"
+        files_dir.mkdir()
+
+        shutil.copy(checkpoint / "config.json", files_dir)
+
+        use_offline_hub_cache(monkeypatch, hub_cache)
+
+        return add_hub_snapshot(hub_cache, self._REPO, files_dir)
+
+    def test_first_run_reads_the_tensor_names_from_the_hub_and_loads_without_the_head(
+        self, base_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        checkpoint = with_mtp_config(base_dirs[DENSE_VLM], tmp_path / "ckpt", mtp=False)
+
+        snapshot_dir = self._config_only_snapshot(checkpoint, tmp_path / "hub", monkeypatch)
+
+        # The Hub cannot be reached here: huggingface_hub's
+        # `get_safetensors_metadata` reads the same header over HTTP.
+        def hub_metadata(repo_id: str) -> SimpleNamespace:
+            assert repo_id == self._REPO
+
+            return SimpleNamespace(weight_map={key: "model.safetensors" for key in index_safetensors(checkpoint)})
+
+        monkeypatch.setattr(qwen35_fs2.hf.config, "get_safetensors_metadata", hub_metadata)
+
+        hub = get_qwen35_model_hub()
+
+        with caplog.at_level(logging.INFO, logger="fairseq2"):
+            first_config = hub.get_model_config(self._card())
+
+        assert first_config.mtp_num_layers == 0
+
+        assert "has no MTP head" in caplog.text
+
+        # fairseq2's download; from here on the cache answers.
+        shutil.copy(checkpoint / "model.safetensors", snapshot_dir)
+
+        monkeypatch.setattr(qwen35_fs2.hf.config, "get_safetensors_metadata", None)
+
+        assert hub.get_model_config(self._card()) == first_config
+
+        model = hub.load_model(self._card(), device=torch.device("cpu"), dtype=torch.float32, config=first_config)
+
+        assert not hasattr(model, "mtp")
+
+        expected = read_safetensors_dir(checkpoint)["model.language_model.embed_tokens.weight"]
+
+        assert torch.equal(model.decoder_frontend.embed.weight, expected)  # type: ignore[union-attr, arg-type]
+
+    def test_a_cached_index_is_read_before_an_incomplete_download(
+        self, base_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # A sharded checkpoint whose download stopped after the index and the
+        # shard without the head: the head is in the index.
+        checkpoint = with_mtp_config(base_dirs[DENSE_VLM], tmp_path / "ckpt")
+
+        tensors = read_safetensors_dir(checkpoint)
+
+        snapshot_dir = self._config_only_snapshot(checkpoint, tmp_path / "hub", monkeypatch)
+
+        weight_map = {key: "model-0000{}-of-00002.safetensors".format(2 if key.startswith("mtp.") else 1) for key in tensors}
+
+        (snapshot_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+        save_file({k: v.contiguous() for k, v in tensors.items() if not k.startswith("mtp.")}, snapshot_dir / "model-00001-of-00002.safetensors")
+
+        assert get_qwen35_model_hub().get_model_config(self._card()).mtp_num_layers == 1
+
+        (snapshot_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+
+        with pytest.raises(AssetCardError, match=r"must be a JSON object with a `weight_map` object, but is not"):
+            get_qwen35_model_hub().get_model_config(self._card())
+
+    def test_offline_without_a_cached_checkpoint_warns_and_keeps_the_config_json(
+        self, base_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        checkpoint = with_mtp_config(base_dirs[DENSE_VLM], tmp_path / "ckpt", mtp=False)
+
+        self._config_only_snapshot(checkpoint, tmp_path / "hub", monkeypatch)
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            config = get_qwen35_model_hub().get_model_config(self._card())
+
+        assert config.mtp_num_layers == 1
+
+        assert f"The tensor names of hg://{self._REPO} cannot be had before fairseq2 downloads it" in caplog.text
