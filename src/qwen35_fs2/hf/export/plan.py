@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, final
@@ -276,31 +276,21 @@ def plan_hf_export(
         if "generation_config.json" not in copied_names:
             generation_config = _tokenizer_generation_config(tokenizer_dir)
 
+    if generation_config is None:
+        generation_config = _stopping_at_end_of_turn(copied_files)
+
+        if generation_config is not None:
+            copied_files = [f for f in copied_files if f.name != "generation_config.json"]
+
     return HfExportPlan(doc, tensors, copied_files, base, generation_config)
 
 
 def _tokenizer_generation_config(tokenizer_dir: Path) -> dict[str, object]:
     """Returns generation defaults that end text where the tokenizer does:
     at its EOS token and at ``<|endoftext|>``, as the released models'."""
+    tokenizer_config = _read_json_object(tokenizer_dir / "tokenizer_config.json")
 
-    def read(name: str) -> dict[str, object]:
-        file = tokenizer_dir / name
-
-        try:
-            document = json.loads(file.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as ex:
-            raise HfExportError(f"{file} must be a readable JSON file of the tokenizer, but cannot be read: {ex}") from None
-
-        if not isinstance(document, dict):
-            raise HfExportError(f"{file} must hold a JSON object, but does not.")
-
-        return document
-
-    tokenizer_config = read("tokenizer_config.json")
-
-    added_tokens = read("tokenizer.json").get("added_tokens") or []
-
-    ids = {t["content"]: t["id"] for t in added_tokens if isinstance(t, dict)}  # type: ignore[union-attr]
+    ids = _added_token_ids(tokenizer_dir / "tokenizer.json")
 
     def token_id(token: object) -> int | None:
         if isinstance(token, dict):  # {"content": ..., ...}
@@ -315,6 +305,64 @@ def _tokenizer_generation_config(tokenizer_dir: Path) -> dict[str, object]:
         "eos_token_id": list(dict.fromkeys(eos_ids)),
         "pad_token_id": token_id(tokenizer_config.get("pad_token")),
     }
+
+
+def _stopping_at_end_of_turn(copied_files: Sequence[Path]) -> dict[str, object] | None:
+    """Returns the copied ``generation_config.json`` with ``<|im_end|>`` of
+    the copied tokenizer added to its EOS tokens, or ``None`` where nothing
+    needs adding.
+
+    Every assistant turn the SFT recipes train ends at ``<|im_end|>``, where
+    transformers' ``generate`` and vLLM stop only if the generation defaults
+    say so. A pretrained (``-Base``) repository's defaults may end text at
+    ``<|endoftext|>`` alone, as earlier Qwen base models' do, and a model
+    fine-tuned from it and exported with them would answer and then go on
+    past its answer until the token limit.
+    """
+    files = {f.name: f for f in copied_files}
+
+    if "generation_config.json" not in files or "tokenizer.json" not in files:
+        return None
+
+    end_of_turn = _added_token_ids(files["tokenizer.json"]).get("<|im_end|>")
+
+    if end_of_turn is None:
+        return None
+
+    generation_config = _read_json_object(files["generation_config.json"])
+
+    eos = generation_config.get("eos_token_id")
+
+    eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+
+    if not isinstance(eos_ids, list) or not all(isinstance(i, int) for i in eos_ids):
+        raise HfExportError(f"`eos_token_id` of {files['generation_config.json']} must be a token id or a list of them, but is {eos!r} instead.")  # fmt: skip
+
+    if end_of_turn in eos_ids:
+        return None
+
+    log.info("The generation defaults of {} end text at {} only; the export's end at `<|im_end|>` ({}) too, where every assistant turn the SFT recipes train ends.", files["generation_config.json"], eos_ids, end_of_turn)  # fmt: skip
+
+    return {**generation_config, "eos_token_id": eos_ids + [end_of_turn]}
+
+
+def _added_token_ids(tokenizer_file: Path) -> dict[str, int]:
+    """The ids of the added (special) tokens of a ``tokenizer.json``."""
+    added_tokens = _read_json_object(tokenizer_file).get("added_tokens") or []
+
+    return {t["content"]: t["id"] for t in added_tokens if isinstance(t, dict)}  # type: ignore[union-attr]
+
+
+def _read_json_object(file: Path) -> dict[str, object]:
+    try:
+        document = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as ex:
+        raise HfExportError(f"{file} must be a readable JSON file, but cannot be read: {ex}") from None
+
+    if not isinstance(document, dict):
+        raise HfExportError(f"{file} must hold a JSON object, but does not.")
+
+    return document
 
 
 def _check_no_adapters(state_dict: Mapping[str, Tensor]) -> None:

@@ -429,13 +429,14 @@ class TestPlanHfExport:
         assert {f.parent.name for f in plan.copied_files if f.name != "preprocessor_config.json"} == {"tokenizer"}
         assert plan.generation_config == {"bos_token_id": None, "eos_token_id": [9, 7], "pad_token_id": 7}
 
-        # A base's own generation defaults stay.
+        # A base's own generation defaults stay, ending at the shipped
+        # tokenizer's <|im_end|> too.
         (tmp_path / "base" / "generation_config.json").write_text('{"eos_token_id": [1, 2]}')
 
         plan = plan_hf_export(_state_dict(config), config, base=base, tokenizer_dir=tokenizer_dir)
 
-        assert plan.generation_config is None
-        assert "generation_config.json" in [f.name for f in plan.copied_files]
+        assert plan.generation_config == {"eos_token_id": [1, 2, 9]}
+        assert "generation_config.json" not in [f.name for f in plan.copied_files]
 
         # A base with a tokenizer keeps its own.
         (tmp_path / "base" / "tokenizer.json").write_text("{}")
@@ -443,6 +444,42 @@ class TestPlanHfExport:
         plan = plan_hf_export(_state_dict(config), config, base=base, tokenizer_dir=tokenizer_dir)
 
         assert {f.parent.name for f in plan.copied_files} == {"base"}
+
+    def test_generation_defaults_of_a_base_stop_at_the_end_of_a_turn(self, tmp_path: Path) -> None:
+        from transformers import GenerationConfig
+
+        config = _untied_tiny_config()
+
+        _make_vlm_base(tmp_path / "base", config)
+
+        # A pretrained base's defaults, as earlier Qwen base models have them:
+        # text ends at <|endoftext|> alone.
+        (tmp_path / "base" / "tokenizer.json").write_text(json.dumps({"added_tokens": [{"id": 248_044, "content": "<|endoftext|>"}, {"id": 248_046, "content": "<|im_end|>"}]}))
+        (tmp_path / "base" / "generation_config.json").write_text('{"bos_token_id": 248044, "eos_token_id": 248044, "max_new_tokens": 2048}')
+
+        plan = plan_hf_export(_state_dict(config), config, base=HfRepository.open(tmp_path / "base"))
+
+        assert plan.generation_config == {"bos_token_id": 248_044, "eos_token_id": [248_044, 248_046], "max_new_tokens": 2048}
+        assert "generation_config.json" not in [f.name for f in plan.copied_files]
+
+        model = create_qwen35_model(config)
+
+        save_hf_model(model, tmp_path / "out", base=tmp_path / "base")
+
+        assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [248_044, 248_046]
+
+        # Defaults that stop there already are copied as they are.
+        (tmp_path / "base" / "generation_config.json").write_text('{"eos_token_id": [248046, 248044]}')
+
+        plan = plan_hf_export(_state_dict(config), config, base=HfRepository.open(tmp_path / "base"))
+
+        assert plan.generation_config is None
+        assert "generation_config.json" in [f.name for f in plan.copied_files]
+
+        (tmp_path / "base" / "generation_config.json").write_text('{"eos_token_id": "<|im_end|>"}')
+
+        with pytest.raises(HfExportError, match=r"`eos_token_id` of .*generation_config.json must be a token id or a list of them, but is '<\|im_end\|>' instead"):
+            plan_hf_export(_state_dict(config), config, base=HfRepository.open(tmp_path / "base"))
 
     def test_writes_per_expert_tensors_without_a_base(self) -> None:
         config = tiny_qwen35_moe_config()
