@@ -27,7 +27,7 @@ from fairseq2.nn import (
 from fairseq2.nn.sharded import Sharded
 
 from qwen35_fs2.nn.normalization import GatedRMSNorm
-from qwen35_fs2.nn.tp import call_with_tp_summed_gradients, check_tp_divisible
+from qwen35_fs2.nn.tp import call_with_tp_summed_gradients, check_tp_divisible, init_shard
 from qwen35_fs2.ops import GdnBackendRequest, causal_conv1d, gated_delta_rule, resolve_gdn_backend
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
@@ -128,11 +128,15 @@ class GatedDeltaNet(Module):
             (2 * key_dim + value_dim) // tp_gang.size,
             conv_kernel_size,
             backend=backend,
+            num_shards=tp_gang.size,
+            shard_idx=tp_gang.rank,
             device=device,
             dtype=dtype,
         )
 
-        self.decay = GatedDeltaNetDecay(self.num_local_value_heads, device=device, dtype=dtype)
+        self.decay = GatedDeltaNetDecay(
+            self.num_local_value_heads, num_shards=tp_gang.size, shard_idx=tp_gang.rank, device=device, dtype=dtype
+        )
 
         self.norm = GatedRMSNorm(
             value_head_dim, eps=norm_eps, backend=backend, device=device, dtype=dtype
@@ -308,17 +312,23 @@ class GatedDeltaNetDecay(Module, Sharded):
         self,
         num_value_heads: int,
         *,
+        num_shards: int = 1,
+        shard_idx: int = 0,
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
         """
         :param num_value_heads: The value heads of this rank.
+        :param num_shards: The tensor-parallel ranks the heads are split over.
+        :param shard_idx: This rank's place among them.
         :param dtype: The dtype of the model; the parameters are at least
             fp32 (fp64 models, for gradient checks, keep fp64).
         """
         super().__init__()
 
         self.num_value_heads = num_value_heads
+        self.num_shards = num_shards
+        self.shard_idx = shard_idx
 
         param_dtype = _at_least_fp32(dtype or torch.get_default_dtype())
 
@@ -330,10 +340,9 @@ class GatedDeltaNetDecay(Module, Sharded):
 
     def reset_parameters(self) -> None:
         """Initializes the parameters as the released models were."""
-        with torch.no_grad():
-            # A ~ U(0.01, 16): the lower bound keeps log(A) finite and avoids
-            # near-zero decay heads.
-            self.A_log.uniform_(0.01, 16.0).log_()
+        # A ~ U(0.01, 16): the lower bound keeps log(A) finite and avoids
+        # near-zero decay heads.
+        init_shard(self.A_log, lambda A_log: A_log.uniform_(0.01, 16.0).log_(), num_shards=self.num_shards, shard_idx=self.shard_idx)  # fmt: skip
 
         torch.nn.init.ones_(self.dt_bias)
 
@@ -434,14 +443,24 @@ class CausalDepthwiseConv1d(Module, Sharded):
         kernel_size: int,
         *,
         backend: GdnBackendRequest = "torch",
+        num_shards: int = 1,
+        shard_idx: int = 0,
         device: Device | None = None,
         dtype: DataType | None = None,
     ) -> None:
+        """
+        :param num_channels: The channels of this rank.
+        :param num_shards: The tensor-parallel ranks the channels are split
+            over.
+        :param shard_idx: This rank's place among them.
+        """
         super().__init__()
 
         self.num_channels = num_channels
         self.kernel_size = kernel_size
         self.backend: GdnBackendRequest = backend
+        self.num_shards = num_shards
+        self.shard_idx = shard_idx
 
         self.weight = Parameter(
             torch.empty((num_channels, 1, kernel_size), device=device, dtype=dtype)
@@ -450,7 +469,7 @@ class CausalDepthwiseConv1d(Module, Sharded):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        torch.nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        init_shard(self.weight, lambda weight: torch.nn.init.kaiming_uniform_(weight, a=5**0.5), num_shards=self.num_shards, shard_idx=self.shard_idx)  # fmt: skip
 
     def forward(
         self,

@@ -20,7 +20,7 @@ from fairseq2.nn.sharded import Sharded
 from fairseq2.ops.tensor_parallel import gather, reduce, reduce_on_backward
 
 from qwen35_fs2.nn.moe.experts import RoutedExperts
-from qwen35_fs2.nn.tp import check_tp_divisible, sum_gradient_over_tp
+from qwen35_fs2.nn.tp import check_tp_divisible, init_shard, sum_gradient_over_tp
 
 LoraTpSplit: TypeAlias = Literal["output", "input"]
 """How the adapter of a tensor-parallel projection is split over the ranks:
@@ -126,7 +126,7 @@ class LoraAdapter(Module, Sharded):
             input_dim // a_num_shards,
             rank,
             bias=False,
-            init_fn=partial(_init_a, input_dim=input_dim, num_shards=a_num_shards, shard_idx=a_shard_idx),
+            init_fn=partial(_init_a, num_shards=a_num_shards, shard_idx=a_shard_idx),
             device=device,
             dtype=dtype,
         )
@@ -211,16 +211,16 @@ class LoraAdapter(Module, Sharded):
         return s
 
 
-def _init_a(proj: Linear, *, input_dim: int, num_shards: int, shard_idx: int) -> None:
-    # U(-1/sqrt(input_dim), 1/sqrt(input_dim)), PEFT's default for A. A split
-    # A is drawn whole and this shard's columns kept: the adapter of a rank
-    # is then the shard of the unsharded one drawn from the same seed.
-    weight = torch.empty((proj.output_dim, input_dim), device=proj.weight.device, dtype=proj.weight.dtype)
-
-    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-
-    with torch.no_grad():
-        proj.weight.copy_(weight.chunk(num_shards, dim=1)[shard_idx])
+def _init_a(proj: Linear, *, num_shards: int, shard_idx: int) -> None:
+    # U(-1/sqrt(input_dim), 1/sqrt(input_dim)), PEFT's default for A; a split
+    # A is this shard's columns of the unsharded one.
+    init_shard(
+        proj.weight,
+        lambda weight: torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5)),
+        num_shards=num_shards,
+        shard_idx=shard_idx,
+        dim=1,
+    )
 
 
 def _init_b(proj: Linear) -> None:

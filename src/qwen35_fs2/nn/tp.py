@@ -12,12 +12,17 @@ projections give:
   partial gradient on each rank: :func:`sum_gradient_over_tp` sums it;
 - a tied output projection over a vocabulary-sharded embedding:
   :class:`TiedVocabShardedProjection`.
+
+A sharded parameter is initialized as its part of the whole parameter
+(:func:`init_shard`), as fairseq2's sharded projections are.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import final
 
+import torch
 from torch import Tensor
 from torch.func import functional_call
 from torch.nn import Module, Parameter
@@ -37,6 +42,30 @@ def check_tp_divisible(name: str, value: int, tp_gang: Gang) -> None:
         raise ValueError(
             f"`{name}` must be a multiple of the tensor parallel size ({tp_gang.size}), but is {value} instead."
         )
+
+
+def init_shard(
+    param: Tensor, init: Callable[[Tensor], object], *, num_shards: int, shard_idx: int, dim: int = 0
+) -> None:
+    """Initializes ``param``, shard ``shard_idx`` of ``num_shards`` equal
+    shards along ``dim``, as its part of the whole tensor drawn by ``init``.
+
+    fairseq2 seeds every tensor-parallel rank alike: drawing only the rank's
+    part would give every rank the same values (expert ``e`` a copy of
+    expert ``e + E / tp_size``) and a model that depends on the number of
+    ranks. Drawn whole, the shards are those of the unsharded model of the
+    same seed, as fairseq2's sharded projections draw theirs.
+    """
+    shape = list(param.shape)
+
+    shape[dim] *= num_shards
+
+    whole = torch.empty(shape, device=param.device, dtype=param.dtype)
+
+    with torch.no_grad():
+        init(whole)
+
+        param.copy_(whole.chunk(num_shards, dim)[shard_idx])
 
 
 def sum_gradient_over_tp(param: Tensor, tp_gang: Gang) -> Tensor:

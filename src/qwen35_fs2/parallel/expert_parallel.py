@@ -198,6 +198,8 @@ def apply_expert_parallelism(model: Module, groups: ExpertParallelGroups) -> Non
 
             setattr(experts, name, Parameter(data.index_select(0, rows.to(data.device)), requires_grad=param.requires_grad))
 
+        experts.expert_ids = tuple(experts.expert_ids[row] for row in ep.rank_experts)
+
         ep.received_weights = received or None
 
         block.expert_parallel = ep

@@ -2,7 +2,9 @@
 with the unsharded model; run by ``test_tensor_parallel.py`` under
 ``torchrun --nproc_per_node=2``.
 
-For each case, every rank builds the same unsharded model (its weights
+For each case, a new model under TP=2 must hold the shards of the
+unsharded model created from the same seed, bit for bit. Then every rank
+builds the same unsharded model (its weights
 perturbed, so that no norm is trivially 1), saves it as a fairseq2
 checkpoint, and loads it under TP=2 through the family's checkpoint loader,
 which reshards it by the modules' shard dims. Both models run the same
@@ -340,7 +342,32 @@ def _check_clipping(reference: TransformerLM, model: TransformerLM, tp_gangs: Ga
     return diff
 
 
+def _check_new_model(config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs) -> None:
+    """Asserts that a new model under TP=2 holds the shards of the unsharded
+    model of the same seed: fairseq2 seeds every rank alike, and shards
+    drawn on their own would repeat one another (expert e that of e + E/2)."""
+    torch.manual_seed(3)
+
+    with set_gangs(single_gangs):
+        expected = dict(_create(config).named_parameters())
+
+    torch.manual_seed(3)
+
+    with set_gangs(tp_gangs):
+        model = _create(config)
+
+    # Parameters, tied ones once.
+    actual = _gather_shards({name: param.detach() for name, param in model.named_parameters()}, get_shard_dims(model), tp_gangs)
+
+    assert actual.keys() == expected.keys()
+
+    for key, value in expected.items():
+        assert torch.equal(actual[key], value), key
+
+
 def _check_case(name: str, config: Qwen35Config, tp_gangs: Gangs, single_gangs: Gangs, output_dir: Path) -> dict[str, float]:
+    _check_new_model(config, tp_gangs, single_gangs)
+
     reference, model = _reference_and_tp_model(config, tp_gangs, single_gangs, output_dir / name / "tp1")
 
     result, expected_gradients = _compare_runs(reference, model, config.vocab_size)

@@ -314,6 +314,32 @@ class TestQwen35MoeBlock:
 
 
 class TestRoutedExperts:
+    @pytest.mark.parametrize("init_fn", [None, _normal], ids=["default", "init_fn"])
+    def test_reset_parameters_keeps_the_held_experts_of_the_whole_draw(self, init_fn: object) -> None:
+        # What expert parallelism leaves a rank: some experts, reordered.
+        # Each must be the expert of the unsharded module of the same seed,
+        # as on every rank, which fairseq2 seeds alike.
+        torch.manual_seed(4)
+
+        whole = RoutedExperts(6, 8, 4, init_fn=init_fn)  # type: ignore[arg-type]
+
+        part = RoutedExperts(6, 8, 4, init_fn=init_fn)  # type: ignore[arg-type]
+
+        with torch.no_grad():
+            part.gate_inner_proj = torch.nn.Parameter(part.gate_inner_proj[:2].clone())
+            part.output_proj = torch.nn.Parameter(part.output_proj[:2].clone())
+
+        part.expert_ids = (4, 1)
+
+        torch.manual_seed(4)
+
+        part.reset_parameters()
+
+        assert torch.equal(part.gate_inner_proj, whole.gate_inner_proj[[4, 1]])
+        assert torch.equal(part.output_proj, whole.output_proj[[4, 1]])
+
+        assert not torch.equal(whole.gate_inner_proj[4], whole.gate_inner_proj[1])
+
     def test_grouped_mm_path_matches_the_fallbacks(self, monkeypatch: pytest.MonkeyPatch) -> None:
         # PyTorch 2.9 runs the forward pass of `_grouped_mm` on CPU, which
         # checks our use of it (offsets, transposed weights) without a GPU.

@@ -100,6 +100,11 @@ class RoutedExperts(Module, Sharded):
 
         self.first_local_expert = gangs.tp.rank * self.num_local_experts
 
+        self.expert_ids: tuple[int, ...] = tuple(range(self.first_local_expert, self.first_local_expert + self.num_local_experts))
+        """The experts whose weights the rows of the parameters hold, in
+        order; expert parallelism keeps some of the rank's and reorders
+        them."""
+
         self.gate_inner_proj = Parameter(
             torch.empty((self.num_local_experts, 2 * inner_dim, model_dim), device=device, dtype=dtype)
         )
@@ -115,12 +120,28 @@ class RoutedExperts(Module, Sharded):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        if self.init_fn is not None:
-            self.init_fn(self.gate_inner_proj)
-            self.init_fn(self.output_proj)
-        else:
-            init_uniform(self.gate_inner_proj, fan_in=self.model_dim)
-            init_uniform(self.output_proj, fan_in=self.inner_dim)
+        """Initializes the weights expert by expert: every expert of the
+        model is drawn in turn and this module keeps those it holds
+        (:attr:`expert_ids`), so that tensor- and expert-parallel ranks,
+        which fairseq2 seeds alike, hold the experts of the unsharded model
+        of the same seed and not copies of one another's; one expert's
+        weight at a time is drawn beyond the module's own."""
+        rows = {expert: row for row, expert in enumerate(self.expert_ids)}
+
+        for weight, fan_in in ((self.gate_inner_proj, self.model_dim), (self.output_proj, self.inner_dim)):
+            drawn = torch.empty(weight.shape[1:], device=weight.device, dtype=weight.dtype)
+
+            for expert in range(self.num_experts):
+                if self.init_fn is not None:
+                    self.init_fn(drawn)
+                else:
+                    init_uniform(drawn, fan_in=fan_in)
+
+                row = rows.get(expert)
+
+                if row is not None:
+                    with torch.no_grad():
+                        weight[row].copy_(drawn)
 
     def forward(self, seqs: Tensor, tokens_per_expert: Tensor) -> Tensor:
         """
