@@ -366,6 +366,8 @@ class ChatEncoder:
 
         self._encoder = encoder
 
+        self._decoder = tokenizer.create_decoder()
+
     def __call__(self, example: InstructionExample) -> dict[str, Any]:
         chat = [
             {"role": "user", "content": example["prompt"]},
@@ -386,6 +388,30 @@ class ChatEncoder:
             )
 
         return {"id": example["id"], "indices": indices, "target_mask": target_mask}
+
+    def check_trained_as_prompted(self) -> None:
+        """Raises a :class:`RecipeError` if the tokens before a trained
+        response are not the generation prompt that inference renders.
+
+        A model is then trained on prompts it never sees at inference and
+        prompted with ones it never trained on. The Qwen3.5 template renders
+        an assistant turn without reasoning after an empty thinking block
+        whatever ``enable_thinking`` says, while a generation prompt under
+        ``enable_thinking: true`` opens a block (``<think>\\n``).
+        """
+        example: InstructionExample = {"id": "probe", "prompt": "1 + 1", "response": "2"}
+
+        encoded = self(example)
+
+        prefix = encoded["indices"][: int(encoded["target_mask"].nonzero()[0])]
+
+        prompt = self.encode_prompt(example["prompt"])
+
+        if not torch.equal(prefix, prompt):
+            raise RecipeError(
+                f"The tokens before a trained response must be the generation prompt of inference, but are {self._decoder(prefix)!r} where the prompt is {self._decoder(prompt)!r}. "
+                "Qwen3.5's chat template renders trained responses as turns without reasoning (after an empty thinking block), and `enable_thinking: true` opens a thinking block in generation prompts; set `tokenizer.config_overrides.enable_thinking: false` to fine-tune on such responses."
+            )
 
     def encode_prompt(self, prompt: str) -> Tensor:
         """Returns the generation prompt of ``prompt``: the user turn and the

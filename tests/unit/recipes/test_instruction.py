@@ -11,9 +11,15 @@ import pytest
 import torch
 
 from fairseq2.assets import AssetDownloadManager
+from fairseq2.recipe.error import RecipeError
 from fairseq2.utils.uri import Uri
 
-from qwen35_fs2.models.qwen35.tokenizer import Qwen35Tokenizer
+from qwen35_fs2.models.qwen35.tokenizer import (
+    Qwen35Tokenizer,
+    Qwen35TokenizerConfig,
+    get_qwen35_tokenizer_dir,
+    load_qwen35_tokenizer,
+)
 from qwen35_fs2.recipes.instruction import (
     ChatEncoder,
     InstructionDataError,
@@ -279,6 +285,17 @@ class TestChatEncoder:
         assert tokenizer.vocab_info.eos_idx in indices[target_mask].tolist()
 
         assert decoder(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+    def test_a_template_whose_prompts_differ_from_the_trained_prefix_is_an_error(self) -> None:
+        ChatEncoder(load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig())).check_trained_as_prompted()
+
+        # Generation prompts open a thinking block; trained turns without
+        # reasoning follow an empty one.
+        thinking = load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(enable_thinking=True))
+
+        with pytest.raises(RecipeError, match=re.escape("but are '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' where the prompt is '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n'. ")):
+            ChatEncoder(thinking).check_trained_as_prompted()
 
 
 def _expected(*segments: tuple[list[int], bool]) -> tuple[list[int], list[bool]]:

@@ -82,6 +82,8 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
 
         encoder = ChatEncoder(tokenizer)
 
+        encoder.check_trained_as_prompted()
+
         batching = SFTBatching(
             max_seq_len=section.max_seq_len,
             max_num_tokens=section.max_num_tokens,
