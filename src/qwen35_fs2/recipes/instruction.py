@@ -368,6 +368,8 @@ class ChatEncoder:
 
         self._decoder = tokenizer.create_decoder()
 
+        self._pad_idx = tokenizer.vocab_info.pad_idx
+
     def __call__(self, example: InstructionExample) -> dict[str, Any]:
         chat = [
             {"role": "user", "content": example["prompt"]},
@@ -386,6 +388,12 @@ class ChatEncoder:
             raise InstructionDataError(
                 f"The chat template must mark the assistant tokens of example {example['id']} with `{{% generation %}}`, but marks none."
             )
+
+        # Text that spells a special token is encoded as that token, as
+        # transformers' chat template encodes it at inference; the pad token
+        # among the targets is then one the loss ignores, as fairseq2's does.
+        if self._pad_idx is not None and bool(indices[target_mask].eq(self._pad_idx).any()):
+            log.warning("The response of example {} holds the pad token ({}) as text, encoded as the token, which the loss ignores there.", example["id"], self._decoder(torch.tensor([self._pad_idx])))  # fmt: skip
 
         return {"id": example["id"], "indices": indices, "target_mask": target_mask}
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from unittest.mock import Mock
@@ -286,6 +287,20 @@ class TestChatEncoder:
 
         assert decoder(prompt).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
+
+    def test_a_response_that_spells_the_pad_token_is_named_in_a_warning(self, tokenizer: Qwen35Tokenizer, caplog: pytest.LogCaptureFixture) -> None:
+        encoder = ChatEncoder(tokenizer)
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            encoder({"id": "plain", "prompt": "1 + 1", "response": "2"})
+
+            assert "pad token" not in caplog.text
+
+            encoded = encoder({"id": "spelled", "prompt": "1 + 1", "response": "2<|endoftext|>"})
+
+        assert tokenizer.vocab_info.pad_idx in encoded["indices"][encoded["target_mask"]].tolist()
+
+        assert "The response of example spelled holds the pad token (<|endoftext|>) as text, encoded as the token, which the loss ignores there." in caplog.text
 
     def test_a_template_whose_prompts_differ_from_the_trained_prefix_is_an_error(self) -> None:
         ChatEncoder(load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig())).check_trained_as_prompted()
