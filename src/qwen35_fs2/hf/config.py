@@ -23,7 +23,6 @@ from huggingface_hub.errors import (
     HfHubHTTPError,
     LocalEntryNotFoundError,
     NotASafetensorsRepoError,
-    OfflineModeIsEnabled,
     SafetensorsParsingError,
 )
 
@@ -168,7 +167,8 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
 
     try:
         return get_safetensors_metadata(repo_id).weight_map.keys()
-    except (OfflineModeIsEnabled, HfHubHTTPError, NotASafetensorsRepoError, SafetensorsParsingError) as ex:
+    # Offline, unreachable (the Hub's errors are `OSError`s) or no safetensors.
+    except (OSError, NotASafetensorsRepoError, SafetensorsParsingError) as ex:
         log.warning(
             "The tensor names of {} cannot be had before fairseq2 downloads it ({}): a config.json that counts an MTP head which the checkpoint lacks (as transformers' `save_pretrained` leaves it) then makes the load fail.",
             uri,
