@@ -564,10 +564,15 @@ class LMLossComputer:
                     mtp_loss.num_accepted / num_mtp_targets, weight=mtp_loss.num_targets
                 )
 
-            # A mean over the MTP targets, weighted relative to the mean
-            # next-token loss as `loss` is normalized after the backward pass.
+            # Summed over the MTP targets, as `loss` over the next-token ones:
+            # the trainer divides both by the next-token targets of the whole
+            # step (all micro-batches, all ranks), so that every MTP target
+            # weighs the same however the step's tokens are split (Megatron's
+            # per-token loss). A mean per micro-batch weighted by its
+            # next-token targets would weigh the MTP targets of micro-batches
+            # of short documents (one target fewer per document) more.
             if self._mtp_loss_weight > 0.0:
-                loss = loss + (self._mtp_loss_weight * num_targets) * mean_mtp_loss
+                loss = loss + self._mtp_loss_weight * mtp_loss.nll_loss
 
         # The auxiliary loss of the model (MoE load balancing) is a per-batch
         # mean, while `loss` is summed over targets and normalized by their

@@ -252,7 +252,7 @@ class TestMtpLoss:
 
 
 class TestMtpLossInRecipes:
-    def test_adds_the_weighted_mean_mtp_loss_per_target_and_reports_it(self) -> None:
+    def test_adds_the_weighted_mtp_loss_per_target_and_reports_its_mean(self) -> None:
         model = _model()
 
         setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.25))
@@ -274,10 +274,44 @@ class TestMtpLossInRecipes:
 
         mean_mtp = mtp_nll / num_mtp_targets
 
-        # Normalized by the number of targets: NLL + 0.25 mean MTP NLL.
-        assert loss.item() == pytest.approx(float(nll) + 0.25 * num_targets * mean_mtp.item(), rel=1e-5)
+        # Both summed over their targets, normalized together by the trainer.
+        assert loss.item() == pytest.approx(float(nll) + 0.25 * mtp_nll.item(), rel=1e-5)
 
         assert metric_bag.get("mtp_loss", Mean).compute() == pytest.approx(mean_mtp.item(), rel=1e-5)
+
+    def test_a_step_split_into_micro_batches_trains_what_one_batch_trains(self) -> None:
+        # Micro-batches of one and of two documents, whose ratios of MTP to
+        # next-token targets differ (a document has one MTP target fewer);
+        # the trainer sums their losses and divides by the step's next-token
+        # targets.
+        model = _model()
+
+        setup_lm_loss(model, LMLossSection(mtp_loss_weight=0.5))
+
+        computer = LMLossComputer(model, mtp_loss_weight=0.5)
+
+        # Their target masks leave out each document's first token, the
+        # target of the last token of the document before in a packed row.
+        def loss_of(docs: list[list[int]], masks: list[list[int]]) -> tuple[Tensor, int]:
+            metric_bag = MetricBag(CPU)
+
+            computer.prepare_metric_bag(metric_bag)
+
+            target_mask = torch.tensor([m for mask in masks for m in mask], dtype=torch.bool)
+
+            batch = SequenceBatch(torch.tensor([t for d in docs for t in d]), [len(d) for d in docs], packed=True, target_mask=target_mask)
+
+            loss, num_targets = computer(batch, metric_bag)
+
+            return loss, int(num_targets)
+
+        whole, num_whole = loss_of(_DOCS, _DOC_MASKS)
+
+        (first, num_first), (rest, num_rest) = loss_of(_DOCS[:1], _DOC_MASKS[:1]), loss_of(_DOCS[1:], _DOC_MASKS[1:])
+
+        assert num_first + num_rest == num_whole
+
+        torch.testing.assert_close((first + rest) / num_whole, whole / num_whole, rtol=1e-5, atol=0)
 
     def test_warns_of_a_weight_on_a_frozen_head(self, caplog: pytest.LogCaptureFixture) -> None:
         model = _model()
