@@ -169,11 +169,6 @@ class LMTrainingRecipe(Recipe):
 
         return setup_lm_loss(model, config.loss)
 
-    @override
-    def has_static_autograd_graph(self, context: RecipeContext) -> bool:
-        # Experts that no token of a batch is routed to get no gradient.
-        return not self._has_moe
-
     def create_lm_trainer(
         self,
         context: RecipeContext,

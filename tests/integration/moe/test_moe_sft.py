@@ -188,3 +188,30 @@ def test_bad_expert_parallel_size_is_a_clear_error(ep_size: int, message: str, t
 
     # Stopped before training.
     assert not (output_dir / "metrics").exists()
+
+
+@pytest.mark.slow
+def test_ddp_trains_the_mtp_head_of_a_moe_model(tmp_path: Path) -> None:
+    # fairseq2 wraps the model in DDP looking for unused parameters unless
+    # the recipe says its autograd graph is static; the MTP loss leaves the
+    # forward pass beside its output, where DDP does not look, so a MoE
+    # model with a head failed its first backward pass ("mark a variable
+    # ready only once"). Every parameter of a MoE model gets a gradient at
+    # every step: the graph is static.
+    output_dir = tmp_path / "ddp"
+
+    overrides = [
+        *OVERRIDES,
+        "model.config_overrides={vocab_size: 248320, pad_idx: 248044, num_layers: 2, full_attention_interval: 2, mtp_num_layers: 1}",
+        "trainer.data_parallelism=ddp",
+        "loss.mtp_loss_weight=0.5",
+    ]
+
+    run_recipe("instruction_finetune", output_dir, CONFIG, overrides, nproc=2)
+
+    metrics = read_metrics(output_dir)
+
+    for name in ("NLL Loss", "MTP Loss"):
+        losses = [metrics[step][name] for step in range(1, _NUM_STEPS + 1)]
+
+        assert losses[-1] < losses[0] - 0.5, f"The {name} must fall, but went {losses}."
