@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,7 @@ class TestMain:
 
         (checkpoint_dir / "model.yaml").write_text(yaml.safe_dump(metadata))
 
-        assert main([str(checkpoint_dir), str(tmp_path / "out")]) == 1
+        assert main([str(checkpoint_dir), str(tmp_path / "out"), "--no-base"]) == 1
 
         assert "is not compatible with the qwen35 model" in _errors(caplog)
         assert "decoder_frontend.embed.weight" in _errors(caplog)
@@ -177,6 +178,29 @@ class TestMain:
         assert main([str(run_dir), str(tmp_path / "out2"), "--base", str(base_dir), "--tokenizer", str(tokenizer_dir)]) == 1
 
         assert f"`--tokenizer` is for exports without a base model, or with a base that holds no tokenizer, but {base_dir} holds one, which is carried over." in _errors(caplog)
+
+    def test_exports_a_run_named_by_a_relative_path(self, run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        # As docs/export.md writes the command (`export_hf runs/sft ...`).
+        monkeypatch.chdir(run_dir.parent)
+
+        assert main([run_dir.name, str(tmp_path / "out")]) == 0, _errors(caplog)
+
+        assert main([f"{run_dir.name}/checkpoints/step_2", str(tmp_path / "out2")]) == 0, _errors(caplog)
+
+    def test_checkpoints_away_from_their_run_need_the_base_named(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        # Written with `--checkpoint-dir` outside the run's directory: the
+        # run's config.yaml, which records its base, is not above them.
+        checkpoint_dir = tmp_path / "elsewhere" / "ckpts"
+
+        shutil.copytree(run_dir / "checkpoints", checkpoint_dir)
+
+        assert main([str(checkpoint_dir), str(tmp_path / "out")]) == 1
+
+        assert f"must have the config.yaml of their run in {tmp_path / 'elsewhere'}, which records the model the run started from and its tokenizer, but have none there" in _errors(caplog)
+
+        assert not (tmp_path / "out").exists()
+
+        assert main([str(checkpoint_dir), str(tmp_path / "out"), "--no-base"]) == 0, _errors(caplog)
 
     def test_fails_for_a_read_only_output_location_and_leaves_nothing(self, run_dir: Path, read_only_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
         assert main([str(run_dir), str(read_only_dir / "out")]) == 1

@@ -40,7 +40,14 @@ from qwen35_fs2.hf.export.writer import DEFAULT_MAX_SHARD_SIZE, check_output_dir
 from qwen35_fs2.hf.safetensors import index_safetensors
 from qwen35_fs2.hf.sharded_loading import load_hf_checkpoint_shards
 from qwen35_fs2.lora import apply_lora, check_peft_base, merge_lora_state_dict, save_peft_adapter
-from qwen35_fs2.lora.checkpoint import LoraBase, LoraBaseError, LoraCheckpointFacade, check_lora_base, load_lora_base
+from qwen35_fs2.lora.checkpoint import (
+    LORA_BASE_FILE,
+    LoraBase,
+    LoraBaseError,
+    LoraCheckpointFacade,
+    check_lora_base,
+    load_lora_base,
+)
 from qwen35_fs2.lora.sharded import read_lora_checkpoint
 from qwen35_fs2.models.qwen35.config import QWEN35_FAMILY, Qwen35Config
 from qwen35_fs2.models.qwen35.tokenizer import QWEN35_TOKENIZER_ASSET, get_qwen35_tokenizer_dir
@@ -85,6 +92,11 @@ class _Source:
     """The base that the adapters of the checkpoint of a LoRA run adapt, and
     their configuration, as the run recorded them."""
 
+    unrecorded_run: Path | None = None
+    """The directory above the checkpoints of a training run whose
+    ``config.yaml``, which records the run's base and tokenizer, is not
+    there (checkpoints written elsewhere with ``--checkpoint-dir``)."""
+
 
 def export_checkpoint(
     checkpoint: str,
@@ -116,6 +128,12 @@ def export_checkpoint(
     :raises HfExportError: the export cannot be made; nothing is written.
     """
     source = _resolve_source(checkpoint, step)
+
+    if source.unrecorded_run is not None and base is None and not no_base:
+        raise CheckpointError(
+            f"The checkpoints of {source.description} must have the config.yaml of their run in {source.unrecorded_run}, which records the model the run started from and its tokenizer, but have none there (checkpoints written elsewhere with `--checkpoint-dir`). "
+            "Give the model the run started from with `--base`, or `--no-base` for a run from scratch."
+        )
 
     _check_lora_export(source, adapter=adapter, merge=merge)
 
@@ -399,6 +417,10 @@ def _check_no_step(step: int | None, checkpoint: object) -> None:
 
 
 def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
+    # Absolute: the card below names the model directory, which fairseq2
+    # refuses as a relative path.
+    checkpoint_dir = checkpoint_dir.resolve()
+
     steps = sorted(
         int(match[1])
         for child in checkpoint_dir.iterdir()
@@ -447,18 +469,21 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     run_dir = checkpoint_dir.parent
 
-    default_base = _run_base(run_dir) if (run_dir / "config.yaml").is_file() else None
+    has_run_config = (run_dir / "config.yaml").is_file()
+
+    default_base = _run_base(run_dir) if has_run_config else None
 
     if default_base is not None:
         log.info("The run in {} started from {}.", run_dir, default_base)
 
-    default_tokenizer = _run_tokenizer_dir(run_dir) if (run_dir / "config.yaml").is_file() else None
+    default_tokenizer = _run_tokenizer_dir(run_dir) if has_run_config else None
 
     # A LoRA run by its config.yaml (a record may be left over from a LoRA
-    # run that never saved a checkpoint). The adapters' settings are the
-    # record's: fairseq2 rewrites config.yaml each time the run is started,
-    # also by a resumption refused for another `lora` section.
-    if (run_dir / "config.yaml").is_file() and _run_has_lora(run_dir):
+    # run that never saved a checkpoint), or by its record where the run's
+    # config.yaml is not at hand. The adapters' settings are the record's:
+    # fairseq2 rewrites config.yaml each time the run is started, also by a
+    # resumption refused for another `lora` section.
+    if _run_has_lora(run_dir) if has_run_config else (checkpoint_dir / LORA_BASE_FILE).is_file():
         try:
             lora_base = load_lora_base(checkpoint_dir)
         except LoraBaseError as ex:
@@ -466,7 +491,16 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
     else:
         lora_base = None
 
-    return _Source(f"step {step} of {checkpoint_dir}", family, config, model_dir, default_base, default_tokenizer, lora_base)
+    return _Source(
+        f"step {step} of {checkpoint_dir}",
+        family,
+        config,
+        model_dir,
+        default_base,
+        default_tokenizer,
+        lora_base,
+        unrecorded_run=None if has_run_config else run_dir,
+    )
 
 
 def _hf_source(path: Path) -> _Source:
