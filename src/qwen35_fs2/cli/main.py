@@ -7,8 +7,10 @@ through :func:`fairseq2.recipe.cli.main`, with these arguments::
                          [--dump-config] [--no-rich] [--checkpoint-dir DIR]
 
 - ``--config FILE`` (or ``--config-file FILE``) is the YAML configuration,
-  merged over the recipe's defaults. ``--config KEY=VALUE``, fairseq2's own
-  meaning of the option, is an override like ``--set KEY=VALUE``.
+  merged over the recipe's defaults. ``--config KEY=VALUE ...``, fairseq2's
+  own meaning of the option, takes overrides like ``--set KEY=VALUE ...``;
+  both take every argument after them, a last one that is neither an
+  override nor a configuration file being the output directory.
 - ``OUTPUT_DIR`` defaults to the ``output_dir`` of the configuration, and
   otherwise to ``outputs/<recipe>``. Running a recipe again with the same output
   directory and configuration resumes from its last checkpoint.
@@ -143,9 +145,10 @@ def _add_recipe_arguments(parser: ArgumentParser) -> None:
         "--config",
         dest="config_args",
         metavar="FILE|KEY=VALUE",
-        action="append",
+        nargs="+",
+        action="extend",
         default=[],
-        help="the YAML configuration file; a KEY=VALUE item is an override as with --set",
+        help="the YAML configuration file and KEY=VALUE overrides (as with --set); as fairseq2's option, it takes every argument after it",
     )
 
     parser.add_argument(
@@ -196,7 +199,14 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
 
     overrides = []
 
-    for item in args.config_args:
+    config_args = list(args.config_args)
+
+    # `--config` takes every argument after it; a last one that is neither an
+    # override nor a configuration file is the output directory.
+    if args.output_dir is None and config_args and _is_output_dir_arg(config_args[-1]):
+        args.output_dir = Path(config_args.pop())
+
+    for item in config_args:
         if "=" in item and not Path(item).is_file():
             overrides.append(item)
         else:
@@ -204,8 +214,7 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
 
     overrides.extend(args.overrides)
 
-    # `--set` takes every argument after it; a last one that is no override is
-    # the output directory.
+    # So does `--set`.
     if args.output_dir is None and overrides and "=" not in overrides[-1]:
         args.output_dir = Path(overrides.pop())
 
@@ -221,6 +230,15 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
             parser.error(f"overrides must be KEY=VALUE, but '{item}' is not")
 
     _check_nested_overrides(overrides, parser)
+
+    # fairseq2 writes to OUTPUT_DIR and records the override in config.yaml.
+    if args.output_dir is not None:
+        override_dir = _override_output_dir(overrides, parser)
+
+        if override_dir is not None and override_dir != args.output_dir:
+            parser.error(
+                f"the output directory must be given once, but OUTPUT_DIR is '{args.output_dir}' and the override of `output_dir` is '{override_dir}'; fairseq2 would write to the first and record the second in config.yaml"
+            )
 
     fairseq2_argv = [f"fairseq2 {LM_GROUP} {command.name}"]
 
@@ -343,21 +361,26 @@ def _summarize_config_error(ex: BaseException) -> str:
     return f"the configuration is invalid at `{'.'.join(keys)}`: {' '.join(reasons[-2:])}"
 
 
+def _is_output_dir_arg(item: str) -> bool:
+    """Whether ``item``, the last argument of ``--config``, is the output
+    directory: neither an override nor a configuration file (an existing
+    file, or a name of a YAML file, which is an error if it is missing)."""
+    path = Path(item)
+
+    return "=" not in item and not path.is_file() and path.suffix not in (".yaml", ".yml")
+
+
 def _find_output_dir(
     config_file: Path | None, overrides: Sequence[str], parser: ArgumentParser
 ) -> Path | None:
     """Returns the last ``output_dir`` of the overrides, or else of the
     configuration file."""
+    output_dir = _override_output_dir(overrides, parser)
+
+    if output_dir is not None:
+        return output_dir
+
     yaml = YAML(typ="safe", pure=True)
-
-    for item in reversed(overrides):
-        key, value = item.split("=", maxsplit=1)
-
-        if key.strip().removeprefix("set:") == "output_dir":
-            try:
-                return _as_output_dir(yaml.load(value.strip()), "--set output_dir", parser)
-            except YAMLError:
-                parser.error(f"output_dir must be a path, but is '{value}'")
 
     if config_file is None or not config_file.is_file():
         # fairseq2 reports a missing file.
@@ -373,6 +396,22 @@ def _find_output_dir(
         return None
 
     return _as_output_dir(documents[0].get("output_dir"), str(config_file), parser)
+
+
+def _override_output_dir(overrides: Sequence[str], parser: ArgumentParser) -> Path | None:
+    """Returns the last ``output_dir`` of the overrides, if any."""
+    yaml = YAML(typ="safe", pure=True)
+
+    for item in reversed(overrides):
+        key, value = item.split("=", maxsplit=1)
+
+        if key.strip().removeprefix("set:") == "output_dir":
+            try:
+                return _as_output_dir(yaml.load(value.strip()), "--set output_dir", parser)
+            except YAMLError:
+                parser.error(f"output_dir must be a path, but is '{value}'")
+
+    return None
 
 
 def _as_output_dir(value: object, origin: str, parser: ArgumentParser) -> Path | None:

@@ -99,9 +99,43 @@ class TestMain:
 
         assert fairseq2_main.argv[1] == "runs/from_set"
 
-        cli.main(["lm", "train", "positional", "--config", str(config), "--set", "output_dir=runs/from_set"])
+        # The same directory twice is one.
+        cli.main(["lm", "train", "runs/from_set", "--config", str(config), "--set", "output_dir=runs/from_set"])
 
-        assert fairseq2_main.argv[1] == "positional"
+        assert fairseq2_main.argv[1] == "runs/from_set"
+
+    def test_rejects_an_output_dir_and_another_output_dir_override(self, fairseq2_main: _Fairseq2Main, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        # fairseq2 writes to the first and records the second in config.yaml.
+        config = _write_config(tmp_path, "output_dir: runs/from_file\n")
+
+        with pytest.raises(SystemExit) as exc_info:
+            cli.main(["lm", "train", "positional", "--config", str(config), "--set", "output_dir=runs/from_set"])
+
+        assert exc_info.value.code == 2
+
+        assert "the output directory must be given once, but OUTPUT_DIR is 'positional' and the override of `output_dir` is 'runs/from_set'" in capsys.readouterr().err
+
+        assert fairseq2_main.argv is None
+
+    def test_config_takes_every_argument_after_it_as_in_fairseq2(self, fairseq2_main: _Fairseq2Main, tmp_path: Path) -> None:
+        config = _write_config(tmp_path, "regime: {num_steps: 3}\n")
+
+        # A second override was the output directory.
+        cli.main(["lm", "train", "--config", str(config), "regime.num_steps=2", "regime.checkpoint_every_n_steps=1"])
+
+        assert fairseq2_main.argv == [
+            "fairseq2 lm train", "outputs/train", "--config-file", str(config), "--config", "regime.num_steps=2", "regime.checkpoint_every_n_steps=1",
+        ]  # fmt: skip
+
+        # A last argument that is neither is the output directory; a missing
+        # YAML file stays a configuration file, which fairseq2 reports.
+        cli.main(["lm", "train", "--config", str(config), "a=1", "runs/out"])
+
+        assert fairseq2_main.argv == ["fairseq2 lm train", "runs/out", "--config-file", str(config), "--config", "a=1"]
+
+        cli.main(["lm", "train", "out", "--config", str(tmp_path / "missing.yaml")])
+
+        assert fairseq2_main.argv == ["fairseq2 lm train", "out", "--config-file", str(tmp_path / "missing.yaml")]
 
     def test_dump_config_needs_no_output_dir(self, fairseq2_main: _Fairseq2Main) -> None:
         cli.main(["lm", "generate", "--dump-config"])
