@@ -65,6 +65,23 @@ _qwen35_requeue() {
     exit 0
 }
 
+# Requeues the job if it saved a checkpoint after the one it started from
+# ($2, empty for none) in the output directory $1. Requeued, a job that saved
+# nothing would start over from the same checkpoint and be stopped again at
+# the same point, forever: a time limit within the --signal margin sends USR1
+# at once, before the ranks can save anything.
+_qwen35_requeue_after_progress() {
+    local saved
+    saved=$(_qwen35_last_checkpoint "$1")
+    qwen35_log "last checkpoint: step ${saved:-none}"
+    if [ "$saved" = "$2" ]; then
+        echo "[qwen35-slurm] error: the stop request (USR1, which --signal asks for that long before the time limit) came before the run saved a checkpoint (last checkpoint: step ${saved:-none}, as when the job started), so a requeued job would start over and be stopped again." \
+            "Give the job a time limit well beyond the --signal margin (the scripts ask for USR1 600 s before it)." >&2
+        exit 3
+    fi
+    _qwen35_requeue
+}
+
 qwen35_launch() {
     QWEN35_STOP_REQUESTED=0
     QWEN35_SRUN_PID=""
@@ -107,16 +124,33 @@ qwen35_launch() {
     done
 
     # --- output directory: the same one on every run, so that a requeued or
-    # resubmitted job finds its checkpoints and resumes.
+    # resubmitted job finds its checkpoints and resumes. An `output_dir`
+    # override names it (the last one, as in fairseq2); the ranks get it as
+    # their output directory and as the override, so that config.yaml
+    # records the directory they write to.
     local -a recipe
     read -r -a recipe <<<"$QWEN35_RECIPE"
-    local out=${QWEN35_OUTPUT_DIR:-}
+    local out=${QWEN35_OUTPUT_DIR:-} override_out="" i
+    for i in "${!overrides[@]}"; do
+        if [[ ${overrides[$i]} == output_dir=* ]]; then
+            override_out=${overrides[$i]#output_dir=}
+            unset 'overrides[i]'
+        fi
+    done
+    overrides=("${overrides[@]}")
+    if [ -n "$override_out" ]; then
+        [ -z "$out" ] || qwen35_fail "the output directory is given twice: QWEN35_OUTPUT_DIR=$out and the override output_dir=$override_out"
+        out=$override_out
+    fi
     if [ -z "$out" ] && [ -n "$config" ]; then
         out=$(_qwen35_config_output_dir "$python" "$config") \
             || qwen35_fail "cannot read output_dir from $config with $python"
         [ -n "$out" ] || out=runs/$(basename "${config%.*}")
     fi
     [ -n "$out" ] || out=runs/${recipe[-1]}
+    # A literal ~ (from the config or an override), as fairseq2 expands it.
+    # shellcheck disable=SC2088
+    case $out in "~") out=$HOME ;; "~/"*) out=$HOME/${out#"~/"} ;; esac
     case $out in /*) ;; *) out=${SLURM_SUBMIT_DIR:-$PWD}/$out ;; esac
     local err
     err=$(mkdir -p -- "$out" 2>&1) || qwen35_fail "cannot create output directory $out: ${err##*: }"
@@ -208,7 +242,7 @@ qwen35_launch() {
     fi
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
-        _qwen35_requeue
+        _qwen35_requeue_after_progress "$out" "$last"
     fi
 
     # One task per GPU. Each task gets its rank from SLURM; fairseq2 sees RANK
@@ -221,7 +255,7 @@ qwen35_launch() {
             echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK, $cpus CPU(s), OMP_NUM_THREADS=$OMP_NUM_THREADS)"
             exec "$@"' \
         qwen35-rank "$cli" "${recipe[@]}" "$out" "${config_args[@]}" --no-rich \
-        --set common.no_sweep_dir=true "${overrides[@]}" &
+        --set common.no_sweep_dir=true "${overrides[@]}" "output_dir=$out" &
     QWEN35_SRUN_PID=$!
     # A USR1 that came while srun was starting has not reached it yet.
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
@@ -242,9 +276,8 @@ qwen35_launch() {
     QWEN35_SRUN_PID=""
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
-        last=$(_qwen35_last_checkpoint "$out")
-        qwen35_log "ranks exited with $rc after the stop request; last checkpoint: step ${last:-none}"
-        _qwen35_requeue
+        qwen35_log "ranks exited with $rc after the stop request"
+        _qwen35_requeue_after_progress "$out" "$last"
     fi
     if [ "$rc" != 0 ]; then
         echo "[qwen35-slurm] error: training failed with exit code $rc; see the rank logs in $out/logs" >&2

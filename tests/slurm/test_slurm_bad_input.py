@@ -253,3 +253,21 @@ def test_request_larger_than_the_nodes_is_refused_at_submit(
     assert proc.stdout.strip() == ""
     # Nothing waits in the queue.
     assert slurm_cluster.run("squeue", "-h", "-o", "%i").strip() == ""
+
+
+def test_stop_request_before_any_checkpoint_fails_instead_of_requeueing(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """A time limit within the scripts' `--signal` margin sends USR1 right at
+    the start; a requeued job would start over from the same checkpoint (here
+    none) and be stopped again, forever. Sent as soon as the job runs, before
+    any rank can save a checkpoint, the stop ends the job instead."""
+    job = slurm_cluster.submit(
+        RUN_SFT, tmp_path, CPU_JOB, (), {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")}
+    )
+    # Once the launcher has logged its start, after it set its USR1 trap.
+    deadline = time.monotonic() + FAIL_FAST_S
+    while "[qwen35-slurm] job" not in job.stdout() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    slurm_cluster.signal_batch_shell(job)
+    info = slurm_cluster.wait(job, timeout=FAIL_FAST_S)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "3:0", "0"), info
+    assert "came before the run saved a checkpoint (last checkpoint: step none, as when the job started)" in job.stderr(), job.stderr()

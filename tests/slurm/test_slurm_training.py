@@ -5,7 +5,8 @@ mode (gloo) with tiny configs and 2 ranks (FSDP2):
 - the same run on one node, signalled as SLURM does before the time limit: it
   checkpoints, stops, requeues itself, resumes and must reproduce the loss
   curve of the uninterrupted run exactly;
-- instruction fine-tuning on one node.
+- instruction fine-tuning on one node, into the output directory that its
+  arguments name.
 
 The three jobs are submitted together when the module starts, so they overlap
 and the module stays within its time budget.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ruamel.yaml import YAML
 from scratch import scratch_dir
 from slurm_cluster import CONFIGS, RUN_CPT, RUN_SFT, Cluster, Job, read_metrics
 
@@ -117,14 +119,14 @@ def runs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         )
         signaller = Signaller(slurm_cluster, interrupted, interrupted_out)
 
-        # The output directory comes from the config's name, and the step count
-        # from the script's arguments.
-        sft_out = base / "sft" / "runs" / "tiny_sft_cpu"
+        # The step count and the output directory (relative: under the
+        # submit directory) come from the script's arguments.
+        sft_out = base / "sft" / "runs" / "from_argument"
         sft = slurm_cluster.submit(
             RUN_SFT,
             base / "sft",
             one_node(slurm_cluster),
-            script_args=[f"regime.num_steps={SFT_STEPS}"],
+            script_args=[f"regime.num_steps={SFT_STEPS}", "output_dir=runs/from_argument"],
             env={"QWEN35_CONFIG": str(SFT_CONFIG)},
         )
 
@@ -236,3 +238,5 @@ def test_instruction_finetuning(slurm_cluster: Cluster, runs: Runs) -> None:
     assert f"recipe: lm instruction_finetune; config: {SFT_CONFIG}; output: {runs.sft_out}" in out
     assert "1 node(s) x 2 task(s), device=cpu" in out
     _assert_two_rank_fsdp2_run(runs.sft_out, SFT_STEPS)
+    # The run records the directory it wrote to.
+    assert YAML(typ="safe").load((runs.sft_out / "config.yaml").read_text())["output_dir"] == str(runs.sft_out)
