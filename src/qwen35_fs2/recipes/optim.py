@@ -1,5 +1,6 @@
 """The AdamW configuration of the training recipes: which parameters get no
-weight decay.
+weight decay; and the check of the cosine schedule's length
+(:func:`validate_cosine_schedule`).
 
 Weight decay pulls a weight towards zero. That is a regulariser for the
 projection matrices, but it changes what the other parameters mean:
@@ -34,8 +35,12 @@ from fairseq2.recipe.config import (
     ADAMW_OPTIMIZER,
     AdamWConfig,
     AdamWGroupConfig,
+    CosineAnnealingLRConfig,
+    LRSchedulerSection,
     OptimizerSection,
+    RegimeSection,
 )
+from fairseq2.utils.validation import ValidationResult
 
 NO_WEIGHT_DECAY_PARAMS: Final = (
     # Gated DeltaNet's forgetting rates.
@@ -67,3 +72,26 @@ def create_adamw_section(*, lr: float, weight_decay: float) -> OptimizerSection:
     )
 
     return OptimizerSection(name=ADAMW_OPTIMIZER, config=config)
+
+
+def validate_cosine_schedule(lr_scheduler: LRSchedulerSection, regime: RegimeSection) -> ValidationResult:
+    """Returns an error if the cosine schedule has no step after its warmup.
+
+    Without ``cycle_len`` fairseq2 makes the cycle ``regime.num_steps -
+    num_warmup_steps`` steps long; a cycle of no steps divides by zero at the
+    first step after the warmup, which fairseq2 reports as an unexpected
+    error in the middle of the run.
+    """
+    result = ValidationResult()
+
+    config = lr_scheduler.config
+
+    if not isinstance(config, CosineAnnealingLRConfig) or config.cycle_len is not None or regime.num_steps is None:
+        return result
+
+    if regime.num_steps <= config.num_warmup_steps:
+        result.add_error(
+            f"`regime.num_steps` must be greater than `lr_scheduler.config.num_warmup_steps` ({config.num_warmup_steps}), since the cosine cycle is the steps after the warmup, but is {regime.num_steps} instead."
+        )
+
+    return result

@@ -26,7 +26,7 @@ from qwen35_fs2.lora.config import validate_lora_tensor_parallelism
 from qwen35_fs2.recipes.gang import Qwen35GangSection
 from qwen35_fs2.recipes.common import LMLossSection
 from qwen35_fs2.recipes.instruction import InstructionSource
-from qwen35_fs2.recipes.optim import create_adamw_section
+from qwen35_fs2.recipes.optim import create_adamw_section, validate_cosine_schedule
 
 
 @dataclass(kw_only=True)
@@ -213,7 +213,7 @@ class InstructionFinetuneConfig:
     def validate(self) -> ValidationResult:
         result = validate_lora_tensor_parallelism(self.lora, self.gang.tensor_parallel_size)
 
-        for error in validate_epoch_checkpoints(self.regime).errors:
+        for error in validate_epoch_checkpoints(self.regime).errors + validate_cosine_schedule(self.lr_scheduler, self.regime).errors:
             result.add_error(error)
 
         return result
