@@ -31,7 +31,8 @@ set -euo pipefail
 # through the path the job was submitted with.
 if [ -z "${QWEN35_REPO:-}" ]; then
     script=${BASH_SOURCE[0]}
-    if [ -n "${SLURM_JOB_ID:-}" ]; then
+    # Unless run from the checkout (bash inside salloc, a wrapper script).
+    if [ -n "${SLURM_JOB_ID:-}" ] && [ ! -f "$(dirname "$script")/lib/launch.sh" ]; then
         script=$(scontrol show job -o "$SLURM_JOB_ID" | sed -n 's/.* Command=\([^ ]*\).*/\1/p')
     fi
     QWEN35_REPO=$(cd "$(dirname "$script")/.." && pwd)

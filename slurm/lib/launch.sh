@@ -32,10 +32,11 @@ if isinstance(value, str) and value:
 EOF
 }
 
-# The highest step_N under OUTPUT_DIR/checkpoints, or nothing.
+# The highest step_N under OUTPUT_DIR/checkpoints, or under the checkpoints
+# of its sweep directories (`common.no_sweep_dir=false`), or nothing.
 _qwen35_last_checkpoint() {
     local d best=""
-    for d in "$1"/checkpoints/step_*; do
+    for d in "$1"/checkpoints/step_* "$1"/*/checkpoints/step_*; do
         [ -d "$d" ] || continue
         d=${d##*/step_}
         [[ $d =~ ^[0-9]+$ ]] || continue
