@@ -93,3 +93,19 @@ def test_direct_run_outside_slurm_fails_clearly(script: Path, tmp_path: Path) ->
     )
     assert proc.returncode == 2
     assert "not inside a SLURM job: submit this script with sbatch" in proc.stderr
+
+
+@pytest.mark.parametrize("layout", ["flat", "sweep"])
+def test_the_launcher_finds_the_last_checkpoint(tmp_path: Path, layout: str) -> None:
+    # With `common.no_sweep_dir=false` fairseq2 nests the checkpoints in a
+    # `ws_<world size>.<hash>` directory: the launcher's resume messages and
+    # its check of progress before a requeue must find them there too.
+    checkpoints = tmp_path / "checkpoints" if layout == "flat" else tmp_path / "ws_2.0123abcd" / "checkpoints"
+    for name in ("step_2", "step_10", "step_4.tmp", "step_x"):
+        (checkpoints / name).mkdir(parents=True)
+    proc = subprocess.run(
+        ["bash", "-c", 'source "$0" && _qwen35_last_checkpoint "$1"', str(SLURM_DIR / "lib" / "launch.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "10\n"), proc.stderr
