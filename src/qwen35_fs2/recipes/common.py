@@ -577,7 +577,8 @@ class LMLossComputer:
 
             aux_loss = moe_statistics.load_balancing_loss
 
-            metric_bag.get("aux_loss", Mean).update(aux_loss.detach())
+            # Weighted as it weighs in the step's loss.
+            metric_bag.get("aux_loss", Mean).update(aux_loss.detach(), weight=num_targets)
 
             metric_bag.get("moe_max_tokens_per_expert", Max).update(moe_statistics.max_tokens_per_expert)
             metric_bag.get("moe_min_tokens_per_expert", Min).update(moe_statistics.min_tokens_per_expert)

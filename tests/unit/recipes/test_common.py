@@ -166,6 +166,16 @@ class TestLMLossComputer:
 
         assert aux_loss.grad == pytest.approx(0.01 * num_targets)
 
+        # A second micro-batch of one target at another value: the metric
+        # weighs each micro-batch's loss as the step's loss does, by targets.
+        aux_loss = torch.tensor(0.25, requires_grad=True)
+
+        one_target = SequenceBatch(torch.tensor([[5, 6, 7]]), [3], target_mask=torch.tensor([[False, False, True]]))
+
+        computer(one_target, metric_bag)
+
+        assert metric_bag.get("aux_loss", Mean).compute() == pytest.approx((0.75 * float(num_targets) + 0.25) / (float(num_targets) + 1))
+
 
 class TestLMTrainUnit:
     def test_raises_error_for_a_nan_loss(self) -> None:
