@@ -75,12 +75,12 @@ def create_adamw_section(*, lr: float, weight_decay: float) -> OptimizerSection:
 
 
 def validate_cosine_schedule(lr_scheduler: LRSchedulerSection, regime: RegimeSection) -> ValidationResult:
-    """Returns an error if the cosine schedule has no step after its warmup.
+    """Returns an error if the cosine schedule's cycle has no step.
 
     Without ``cycle_len`` fairseq2 makes the cycle ``regime.num_steps -
-    num_warmup_steps`` steps long; a cycle of no steps divides by zero at the
-    first step after the warmup, which fairseq2 reports as an unexpected
-    error in the middle of the run.
+    num_warmup_steps`` steps long. A cycle of no steps divides by zero at the
+    last step, which fairseq2 reports as an unexpected error at the end of
+    the run; a run shorter than its warmup never reaches the cycle.
     """
     result = ValidationResult()
 
@@ -89,9 +89,9 @@ def validate_cosine_schedule(lr_scheduler: LRSchedulerSection, regime: RegimeSec
     if not isinstance(config, CosineAnnealingLRConfig) or config.cycle_len is not None or regime.num_steps is None:
         return result
 
-    if regime.num_steps <= config.num_warmup_steps:
+    if regime.num_steps == config.num_warmup_steps:
         result.add_error(
-            f"`regime.num_steps` must be greater than `lr_scheduler.config.num_warmup_steps` ({config.num_warmup_steps}), since the cosine cycle is the steps after the warmup, but is {regime.num_steps} instead."
+            f"`regime.num_steps` must differ from `lr_scheduler.config.num_warmup_steps` ({config.num_warmup_steps}), since the cosine cycle, the steps after the warmup, would have none, but is {regime.num_steps}."
         )
 
     return result

@@ -187,6 +187,19 @@ class TestMain:
 
         assert main([f"{run_dir.name}/checkpoints/step_2", str(tmp_path / "out2")]) == 0, _errors(caplog)
 
+    def test_exports_a_run_whose_checkpoints_are_a_link(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        # The checkpoints on scratch storage, linked from the run's directory,
+        # which holds its config.yaml.
+        shutil.copytree(run_dir / "checkpoints", tmp_path / "scratch" / "checkpoints")
+
+        (tmp_path / "run").mkdir()
+
+        shutil.copy(run_dir / "config.yaml", tmp_path / "run")
+
+        (tmp_path / "run" / "checkpoints").symlink_to(tmp_path / "scratch" / "checkpoints")
+
+        assert main([str(tmp_path / "run" / "checkpoints"), str(tmp_path / "out")]) == 0, _errors(caplog)
+
     def test_checkpoints_away_from_their_run_need_the_base_named(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
         # Written with `--checkpoint-dir` outside the run's directory: the
         # run's config.yaml, which records its base, is not above them.

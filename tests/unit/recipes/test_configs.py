@@ -49,8 +49,8 @@ class TestBadConfigs:
             ("lora={r: 0}", r"`r` must be greater than 0, but is 0 instead\."),
             ("lora={target_modules: [qkv_proj]}", r"`target_modules` must hold Hugging Face projection names \(.*\), but holds `qkv_proj` instead\."),
             ("gang.expert_parallel_size=0", r"`expert_parallel_size` must be greater than or equal to 1, but is 0 instead\."),
-            # fairseq2 divided by zero after the warmup.
-            ("regime.num_steps=3", r"`regime.num_steps` must be greater than `lr_scheduler.config.num_warmup_steps` \(3\), since the cosine cycle is the steps after the warmup, but is 3 instead\."),
+            # fairseq2 divided by zero at the last step.
+            ("regime.num_steps=3", r"`regime.num_steps` must differ from `lr_scheduler.config.num_warmup_steps` \(3\), since the cosine cycle, the steps after the warmup, would have none, but is 3\."),
         ],
         ids=["unknown_key", "wrong_type", "missing_dataset_path", "invalid_value", "invalid_loss", "lora_rank", "lora_target", "expert_parallel_size", "cosine_without_cycle"],
     )

@@ -418,8 +418,9 @@ def _check_no_step(step: int | None, checkpoint: object) -> None:
 
 def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
     # Absolute: the card below names the model directory, which fairseq2
-    # refuses as a relative path.
-    checkpoint_dir = checkpoint_dir.resolve()
+    # refuses as a relative path. Not resolved: the run's config.yaml is above
+    # a `checkpoints` link, not above its target.
+    checkpoint_dir = checkpoint_dir.absolute()
 
     steps = sorted(
         int(match[1])

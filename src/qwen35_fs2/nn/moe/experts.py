@@ -129,6 +129,10 @@ class RoutedExperts(Module, Sharded):
         rows = {expert: row for row, expert in enumerate(self.expert_ids)}
 
         for weight, fan_in in ((self.gate_inner_proj, self.model_dim), (self.output_proj, self.inner_dim)):
+            # Nothing to draw (a 397B model has 60 layers of 512 experts).
+            if weight.is_meta:
+                continue
+
             drawn = torch.empty(weight.shape[1:], device=weight.device, dtype=weight.dtype)
 
             for expert in range(self.num_experts):
