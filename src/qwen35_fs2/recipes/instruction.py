@@ -351,9 +351,9 @@ class ChatEncoder:
     Qwen3.5): the prompt is the user turn, the response the assistant turn.
 
     Only the assistant's tokens, as marked by the template's
-    ``{% generation %}`` blocks, are targets. The tokens before them are
-    exactly the generation prompt of :meth:`encode_prompt`, so the model is
-    trained on what it sees at inference.
+    ``{% generation %}`` blocks, are targets. The tokens before them must be
+    exactly the generation prompt of :meth:`encode_prompt` (checked for each
+    example), so that the model is trained on what it sees at inference.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -389,6 +389,20 @@ class ChatEncoder:
                 f"The chat template must mark the assistant tokens of example {example['id']} with `{{% generation %}}`, but marks none."
             )
 
+        # The model must be trained on the prompt inference sends: under
+        # `enable_thinking: true` a generation prompt opens a thinking block,
+        # while the template renders a response without one after an empty
+        # block (responses with their reasoning match).
+        prefix = indices[: int(target_mask.nonzero()[0])]
+
+        prompt = self.encode_prompt(example["prompt"])
+
+        if not torch.equal(prefix, prompt):
+            raise InstructionDataError(
+                f"The tokens before the response of example {example['id']} must be the generation prompt of inference, but are {self._decoder(prefix)!r} where the prompt is {self._decoder(prompt)!r}. "
+                "With `enable_thinking: true`, generation prompts open a thinking block, and a response without its reasoning (`<think>...</think>`) follows an empty one; set `tokenizer.config_overrides.enable_thinking: false` to fine-tune on such responses."
+            )
+
         # Text that spells a special token is encoded as that token, as
         # transformers' chat template encodes it at inference; the pad token
         # among the targets is then one the loss ignores, as fairseq2's does.
@@ -396,30 +410,6 @@ class ChatEncoder:
             log.warning("The response of example {} holds the pad token ({}) as text, encoded as the token, which the loss ignores there.", example["id"], self._decoder(torch.tensor([self._pad_idx])))  # fmt: skip
 
         return {"id": example["id"], "indices": indices, "target_mask": target_mask}
-
-    def check_trained_as_prompted(self) -> None:
-        """Raises a :class:`RecipeError` if the tokens before a trained
-        response are not the generation prompt that inference renders.
-
-        A model is then trained on prompts it never sees at inference and
-        prompted with ones it never trained on. The Qwen3.5 template renders
-        an assistant turn without reasoning after an empty thinking block
-        whatever ``enable_thinking`` says, while a generation prompt under
-        ``enable_thinking: true`` opens a block (``<think>\\n``).
-        """
-        example: InstructionExample = {"id": "probe", "prompt": "1 + 1", "response": "2"}
-
-        encoded = self(example)
-
-        prefix = encoded["indices"][: int(encoded["target_mask"].nonzero()[0])]
-
-        prompt = self.encode_prompt(example["prompt"])
-
-        if not torch.equal(prefix, prompt):
-            raise RecipeError(
-                f"The tokens before a trained response must be the generation prompt of inference, but are {self._decoder(prefix)!r} where the prompt is {self._decoder(prompt)!r}. "
-                "Qwen3.5's chat template renders trained responses as turns without reasoning (after an empty thinking block), and `enable_thinking: true` opens a thinking block in generation prompts; set `tokenizer.config_overrides.enable_thinking: false` to fine-tune on such responses."
-            )
 
     def encode_prompt(self, prompt: str) -> Tensor:
         """Returns the generation prompt of ``prompt``: the user turn and the

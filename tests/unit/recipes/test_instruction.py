@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fairseq2.assets import AssetDownloadManager
-from fairseq2.recipe.error import RecipeError
 from fairseq2.utils.uri import Uri
 
 from qwen35_fs2.models.qwen35.tokenizer import (
@@ -302,15 +301,20 @@ class TestChatEncoder:
 
         assert "The response of example spelled holds the pad token (<|endoftext|>) as text, encoded as the token, which the loss ignores there." in caplog.text
 
-    def test_a_template_whose_prompts_differ_from_the_trained_prefix_is_an_error(self) -> None:
-        ChatEncoder(load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig())).check_trained_as_prompted()
+    def test_a_response_after_another_prompt_than_inference_sends_is_an_error(self) -> None:
+        thinking = ChatEncoder(load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(enable_thinking=True)))
 
-        # Generation prompts open a thinking block; trained turns without
-        # reasoning follow an empty one.
-        thinking = load_qwen35_tokenizer(get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(enable_thinking=True))
+        # With its reasoning, a response follows the prompt that opens a
+        # thinking block, as inference sends it.
+        encoded = thinking({"id": "reasoned", "prompt": "1 + 1", "response": "<think>\nOne and one.\n</think>\n\n2"})
 
-        with pytest.raises(RecipeError, match=re.escape("but are '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' where the prompt is '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n'. ")):
-            ChatEncoder(thinking).check_trained_as_prompted()
+        prompt = thinking.encode_prompt("1 + 1")
+
+        assert torch.equal(encoded["indices"][: len(prompt)], prompt)
+
+        # Without, after an empty block that inference never sends.
+        with pytest.raises(InstructionDataError, match=re.escape("The tokens before the response of example plain must be the generation prompt of inference, but are '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' where the prompt is '<|im_start|>user\\n1 + 1<|im_end|>\\n<|im_start|>assistant\\n<think>\\n'. ")):
+            thinking({"id": "plain", "prompt": "1 + 1", "response": "2"})
 
 
 def _expected(*segments: tuple[list[int], bool]) -> tuple[list[int], list[bool]]:

@@ -82,8 +82,6 @@ class InstructionFinetuneRecipe(LMTrainingRecipe):
 
         encoder = ChatEncoder(tokenizer)
 
-        encoder.check_trained_as_prompted()
-
         batching = SFTBatching(
             max_seq_len=section.max_seq_len,
             max_num_tokens=section.max_num_tokens,
