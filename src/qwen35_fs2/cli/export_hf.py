@@ -74,6 +74,7 @@ def main(argv: Sequence[str]) -> int:
             args.checkpoint,
             args.out_dir,
             step=args.step,
+            run_dir=args.run_dir,
             base=args.base,
             no_base=args.no_base,
             tokenizer=args.tokenizer,
@@ -111,6 +112,13 @@ def _create_parser() -> ArgumentParser:
 
     parser.add_argument(
         "out_dir", metavar="OUTPUT_DIR", type=Path, help="the directory to write"
+    )
+
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        metavar="DIR",
+        help="the output directory of the training run, whose config.yaml records the model it started from and its tokenizer (default: the directory above the checkpoints; give it for checkpoints written elsewhere with --checkpoint-dir)",
     )
 
     parser.add_argument(

@@ -43,7 +43,7 @@ def take_over_hf_export(context: RecipeContext, *, lora: bool) -> HfCheckpointEx
 
     regime.export_hugging_face = False
 
-    return HfCheckpointExporter(get_checkpoint_dir(context), context.gangs, adapter=lora)
+    return HfCheckpointExporter(get_checkpoint_dir(context), context.gangs, run_dir=context.output_dir, adapter=lora)
 
 
 def export_hf_checkpoints(trainer: Trainer, exporter: HfCheckpointExporter) -> Task:

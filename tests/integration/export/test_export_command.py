@@ -158,7 +158,7 @@ def test_exports_an_asset_card_and_takes_one_as_base(runs: dict[TinyQwen35Spec, 
 def _export_like_the_trainer(run_dir: Path, step_nr: int) -> list[int]:
     """Runs the recipes' training-time exporter as their trainer does (a
     subprocess with an empty environment); returns the steps exported."""
-    exporter = HfCheckpointExporter(run_dir / "checkpoints", create_fake_gangs(CPU))
+    exporter = HfCheckpointExporter(run_dir / "checkpoints", create_fake_gangs(CPU), run_dir=run_dir)
 
     exporter.export(step_nr)
 

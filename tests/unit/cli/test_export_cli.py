@@ -215,6 +215,11 @@ class TestMain:
 
         assert main([str(checkpoint_dir), str(tmp_path / "out"), "--no-base"]) == 0, _errors(caplog)
 
+        # Or the run's directory named.
+        assert main([str(checkpoint_dir), str(tmp_path / "out2"), "--run-dir", str(run_dir)]) == 0, _errors(caplog)
+
+        assert main([str(run_dir), str(tmp_path / "out3"), "--run-dir", str(run_dir)]) == 0, _errors(caplog)
+
     def test_fails_for_a_read_only_output_location_and_leaves_nothing(self, run_dir: Path, read_only_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
         assert main([str(run_dir), str(read_only_dir / "out")]) == 1
 

@@ -103,6 +103,7 @@ def export_checkpoint(
     out_dir: Path,
     *,
     step: int | None = None,
+    run_dir: Path | None = None,
     base: str | None = None,
     no_base: bool = False,
     tokenizer: str | None = None,
@@ -127,12 +128,12 @@ def export_checkpoint(
         be found or read.
     :raises HfExportError: the export cannot be made; nothing is written.
     """
-    source = _resolve_source(checkpoint, step)
+    source = _resolve_source(checkpoint, step, run_dir)
 
-    if source.unrecorded_run is not None and base is None and not no_base:
+    if source.unrecorded_run is not None and base is None and not no_base and source.lora_base is None:
         raise CheckpointError(
             f"The checkpoints of {source.description} must have the config.yaml of their run in {source.unrecorded_run}, which records the model the run started from and its tokenizer, but have none there (checkpoints written elsewhere with `--checkpoint-dir`). "
-            "Give the model the run started from with `--base`, or `--no-base` for a run from scratch."
+            "Give the run's output directory with `--run-dir`, the model the run started from with `--base`, or `--no-base` for a run from scratch."
         )
 
     _check_lora_export(source, adapter=adapter, merge=merge)
@@ -353,12 +354,12 @@ def _checkpoint_dtype(source: _Source) -> DataType:
     return torch.float32
 
 
-def _resolve_source(checkpoint: str, step: int | None) -> _Source:
+def _resolve_source(checkpoint: str, step: int | None, run_dir: Path | None) -> _Source:
     path = Path(checkpoint)
 
     if path.is_dir():
         if (path / "checkpoints" / "model.yaml").is_file():
-            return _training_source(path / "checkpoints", step)
+            return _training_source(path / "checkpoints", step, run_dir)
 
         # The recipes put a run into a sweep directory (`ws_1.<hash>`) of the
         # output directory they are given.
@@ -370,10 +371,10 @@ def _resolve_source(checkpoint: str, step: int | None) -> _Source:
             )
 
         if sweep_dirs:
-            return _training_source(sweep_dirs[0] / "checkpoints", step)
+            return _training_source(sweep_dirs[0] / "checkpoints", step, run_dir)
 
         if (path / "model.yaml").is_file():
-            return _training_source(path, step)
+            return _training_source(path, step, run_dir)
 
         match = _STEP_DIR.fullmatch(path.name)
 
@@ -383,10 +384,10 @@ def _resolve_source(checkpoint: str, step: int | None) -> _Source:
                     f"`--step` must be the step of {path} ({match[1]}) or be omitted, but is {step} instead."
                 )
 
-            return _training_source(path.parent, int(match[1]))
+            return _training_source(path.parent, int(match[1]), run_dir)
 
         if (path / "config.json").is_file():
-            _check_no_step(step, path)
+            _check_training_only(step, run_dir, path)
 
             return _hf_source(path)
 
@@ -404,19 +405,20 @@ def _resolve_source(checkpoint: str, step: int | None) -> _Source:
             f"CHECKPOINT must be an existing directory or a known asset card name, but '{checkpoint}' is neither."
         )
 
-    _check_no_step(step, checkpoint)
+    _check_training_only(step, run_dir, checkpoint)
 
     return _card_source(card)
 
 
-def _check_no_step(step: int | None, checkpoint: object) -> None:
-    if step is not None:
-        raise CheckpointError(
-            f"`--step` applies to fairseq2 training checkpoints only, but {checkpoint} is not one."
-        )
+def _check_training_only(step: int | None, run_dir: Path | None, checkpoint: object) -> None:
+    for option, value in (("--step", step), ("--run-dir", run_dir)):
+        if value is not None:
+            raise CheckpointError(f"`{option}` applies to fairseq2 training checkpoints only, but {checkpoint} is not one.")  # fmt: skip
 
 
-def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
+def _training_source(checkpoint_dir: Path, step: int | None, run_dir: Path | None = None) -> _Source:
+    """:param run_dir: The run's output directory, which holds its
+        config.yaml; the directory above the checkpoints if ``None``."""
     # Absolute: the card below names the model directory, which fairseq2
     # refuses as a relative path. Not resolved: the run's config.yaml is above
     # a `checkpoints` link, not above its target.
@@ -468,7 +470,8 @@ def _training_source(checkpoint_dir: Path, step: int | None) -> _Source:
 
     config = _get_config(family, card)
 
-    run_dir = checkpoint_dir.parent
+    if run_dir is None:
+        run_dir = checkpoint_dir.parent
 
     has_run_config = (run_dir / "config.yaml").is_file()
 

@@ -43,13 +43,17 @@ class HfCheckpointExporter:
     so that the training run's distributed settings do not reach it.
     """
 
-    def __init__(self, checkpoint_dir: Path, gangs: Gangs, *, adapter: bool = False) -> None:
+    def __init__(self, checkpoint_dir: Path, gangs: Gangs, *, run_dir: Path, adapter: bool = False) -> None:
         """
+        :param run_dir: The run's output directory, which holds its
+            config.yaml (``export_hf --run-dir``): the checkpoints may be
+            elsewhere (``--checkpoint-dir``).
         :param adapter: If ``True``, the run is a LoRA run, whose checkpoints
             hold adapters alone: each is exported as a PEFT adapter
             directory (``export_hf --adapter``).
         """
         self._checkpoint_dir = checkpoint_dir
+        self._run_dir = run_dir
         self._adapter = adapter
         self._is_exporting_rank = gangs.root.rank == 0
         self._executor: ThreadPoolExecutor | None = None
@@ -96,7 +100,7 @@ class HfCheckpointExporter:
         """Returns the command that exports the checkpoint of ``step_nr``."""
         command = [
             sys.executable, "-m", _EXPORT_MODULE, str(self._checkpoint_dir), str(self._export_dir(step_nr)),
-            "--step", str(step_nr), "--no-rich",
+            "--step", str(step_nr), "--run-dir", str(self._run_dir), "--no-rich",
         ]  # fmt: skip
 
         if self._adapter:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class TestHfCheckpointExporter:
     def test_exports_the_step_with_the_export_command(self, run_dir: Path) -> None:
         checkpoint_dir = run_dir / "checkpoints"
 
-        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU))
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), run_dir=run_dir)
 
         exporter.export(2)
 
@@ -38,7 +39,7 @@ class TestHfCheckpointExporter:
         step_dir = checkpoint_dir / "step_2"
 
         assert shlex.split((step_dir / "hg.run").read_text()) == [
-            sys.executable, "-m", "qwen35_fs2.cli.export_hf", str(checkpoint_dir), str(step_dir / "hg"), "--step", "2", "--no-rich",
+            sys.executable, "-m", "qwen35_fs2.cli.export_hf", str(checkpoint_dir), str(step_dir / "hg"), "--step", "2", "--run-dir", str(run_dir), "--no-rich",
         ]  # fmt: skip
 
         # The checkpoint of step 2, not the latest one.
@@ -50,10 +51,26 @@ class TestHfCheckpointExporter:
 
         assert exporter.wait() is None
 
+    def test_exports_checkpoints_kept_away_from_their_run(self, run_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        # `--checkpoint-dir` elsewhere: the run's config.yaml, which records
+        # its base and tokenizer, is in the run's output directory.
+        checkpoint_dir = tmp_path / "elsewhere" / "checkpoints"
+
+        # Without the exports of the other tests.
+        shutil.copytree(run_dir / "checkpoints", checkpoint_dir, ignore=shutil.ignore_patterns("hg*"))
+
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), run_dir=run_dir)
+
+        exporter.export(2)
+
+        assert exporter.wait() is True, [r.getMessage() for r in caplog.records]
+
+        assert torch.equal(read_safetensors_dir(checkpoint_dir / "step_2" / "hg")["model.norm.weight"], torch.full((64,), 2.0))
+
     def test_exports_a_lora_run_as_a_peft_adapter(self, tmp_path: Path) -> None:
         checkpoint_dir = write_lora_run(tmp_path) / "checkpoints"
 
-        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), adapter=True)
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), run_dir=tmp_path, adapter=True)
 
         exporter.export(2)
 
@@ -75,7 +92,7 @@ class TestHfCheckpointExporter:
 
         (checkpoint_dir / "model.yaml").write_text("model_family: qwen35\n")
 
-        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU))
+        exporter = HfCheckpointExporter(checkpoint_dir, create_fake_gangs(CPU), run_dir=tmp_path)
 
         with caplog.at_level(logging.INFO, logger="fairseq2"):
             exporter.export(3)
@@ -98,7 +115,7 @@ class TestHfCheckpointExporter:
 
         gangs = Gangs(root=gang, dp=gang, rdp=gang, sdp=gang, tp=gang, pp=gang)
 
-        exporter = HfCheckpointExporter(run_dir / "checkpoints", gangs)
+        exporter = HfCheckpointExporter(run_dir / "checkpoints", gangs, run_dir=run_dir)
 
         exporter.export(4)
 
