@@ -66,16 +66,25 @@ _qwen35_requeue() {
     exit 0
 }
 
-# Requeues the job if it saved a checkpoint after the one it started from
-# ($2, empty for none) in the output directory $1. Requeued, a job that saved
-# nothing would start over from the same checkpoint and be stopped again at
-# the same point, forever: a time limit within the --signal margin sends USR1
-# at once, before the ranks can save anything.
+# Every step_N checkpoint directory under OUTPUT_DIR, a line each, sorted.
+_qwen35_checkpoints() {
+    local d
+    for d in "$1"/checkpoints/step_* "$1"/*/checkpoints/step_*; do
+        if [ -d "$d" ] && [[ ${d##*/step_} =~ ^[0-9]+$ ]]; then echo "$d"; fi
+    done | sort
+}
+
+# Requeues the job if it saved a checkpoint that the output directory $1 did
+# not hold when the job started ($2, the list of _qwen35_checkpoints then).
+# Requeued, a job that saved nothing would start over from the same
+# checkpoint and be stopped again at the same point, forever: a time limit
+# within the --signal margin sends USR1 at once, before the ranks can save
+# anything.
 _qwen35_requeue_after_progress() {
     local saved
     saved=$(_qwen35_last_checkpoint "$1")
     qwen35_log "last checkpoint: step ${saved:-none}"
-    if [ "$saved" = "$2" ]; then
+    if [ -z "$(comm -13 <(echo "$2") <(_qwen35_checkpoints "$1"))" ]; then
         echo "[qwen35-slurm] error: the stop request (USR1, which --signal asks for that long before the time limit) came before the run saved a checkpoint (last checkpoint: step ${saved:-none}, as when the job started), so a requeued job would start over and be stopped again." \
             "Give the job a time limit well beyond the --signal margin (the scripts ask for USR1 600 s before it)." >&2
         exit 3
@@ -232,8 +241,9 @@ qwen35_launch() {
     rm -f -- "$probe"
     QWEN35_PROBE=""
 
-    local last
+    local last checkpoints_at_start
     last=$(_qwen35_last_checkpoint "$out")
+    checkpoints_at_start=$(_qwen35_checkpoints "$out")
     qwen35_log "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST: $nnodes node(s) x $tpn task(s), device=$device, rendezvous $MASTER_ADDR:$MASTER_PORT"
     qwen35_log "recipe: $QWEN35_RECIPE; config: ${config:-none, the recipe defaults}; output: $out"
     if [ -n "$last" ]; then
@@ -243,7 +253,7 @@ qwen35_launch() {
     fi
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
-        _qwen35_requeue_after_progress "$out" "$last"
+        _qwen35_requeue_after_progress "$out" "$checkpoints_at_start"
     fi
 
     # One task per GPU. Each task gets its rank from SLURM; fairseq2 sees RANK
@@ -256,7 +266,7 @@ qwen35_launch() {
             echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK, $cpus CPU(s), OMP_NUM_THREADS=$OMP_NUM_THREADS)"
             exec "$@"' \
         qwen35-rank "$cli" "${recipe[@]}" "$out" "${config_args[@]}" --no-rich \
-        --set common.no_sweep_dir=true "${overrides[@]}" "output_dir=$out" &
+        --set common.no_sweep_dir=true "${overrides[@]}" "output_dir='${out//\'/\'\'}'" &
     QWEN35_SRUN_PID=$!
     # A USR1 that came while srun was starting has not reached it yet.
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
@@ -278,7 +288,7 @@ qwen35_launch() {
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
         qwen35_log "ranks exited with $rc after the stop request"
-        _qwen35_requeue_after_progress "$out" "$last"
+        _qwen35_requeue_after_progress "$out" "$checkpoints_at_start"
     fi
     if [ "$rc" != 0 ]; then
         echo "[qwen35-slurm] error: training failed with exit code $rc; see the rank logs in $out/logs" >&2

@@ -104,8 +104,43 @@ def test_the_launcher_finds_the_last_checkpoint(tmp_path: Path, layout: str) -> 
     for name in ("step_2", "step_10", "step_4.tmp", "step_x"):
         (checkpoints / name).mkdir(parents=True)
     proc = subprocess.run(
-        ["bash", "-c", 'source "$0" && _qwen35_last_checkpoint "$1"', str(SLURM_DIR / "lib" / "launch.sh"), str(tmp_path)],
+        ["bash", "-c", 'set -euo pipefail; source "$0"; _qwen35_last_checkpoint "$1"', str(SLURM_DIR / "lib" / "launch.sh"), str(tmp_path)],
         capture_output=True,
         text=True,
     )
     assert (proc.returncode, proc.stdout) == (0, "10\n"), proc.stderr
+
+
+@pytest.mark.parametrize("saved", [True, False], ids=["saved", "nothing_saved"])
+def test_a_stop_requeues_only_after_a_new_checkpoint(tmp_path: Path, saved: bool) -> None:
+    # An older run's sweep directory holds a later step than this run's: a
+    # new checkpoint of this run is progress all the same. `scontrol requeue`
+    # is stood in for (no job here).
+    (tmp_path / "ws_1.aaaa" / "checkpoints" / "step_1000").mkdir(parents=True)
+    (tmp_path / "ws_1.bbbb" / "checkpoints" / "step_100").mkdir(parents=True)
+    save = 'mkdir -p "$1/ws_1.bbbb/checkpoints/step_200"' if saved else ":"
+    script = (
+        # As the scripts run it.
+        'set -euo pipefail; source "$0"; _qwen35_requeue() { echo requeued; exit 0; }; start=$(_qwen35_checkpoints "$1"); '
+        + save
+        + '; _qwen35_requeue_after_progress "$1" "$start"'
+    )
+    proc = subprocess.run(
+        ["bash", "-c", script, str(SLURM_DIR / "lib" / "launch.sh"), str(tmp_path)], capture_output=True, text=True
+    )
+    if saved:
+        assert (proc.returncode, proc.stdout.splitlines()[-1]) == (0, "requeued"), proc.stderr
+    else:
+        assert proc.returncode == 3, proc.stdout
+        assert "came before the run saved a checkpoint (last checkpoint: step 1000, as when the job started)" in proc.stderr
+
+
+def test_listing_no_checkpoints_does_not_end_the_script(tmp_path: Path) -> None:
+    # Under `set -e -o pipefail`, as the scripts run, a listing that ends on
+    # a test that fails would end the job at start without a word.
+    proc = subprocess.run(
+        ["bash", "-c", 'set -euo pipefail; source "$0"; listing=$(_qwen35_checkpoints "$1"); echo "[$listing]"', str(SLURM_DIR / "lib" / "launch.sh"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert (proc.returncode, proc.stdout) == (0, "[]\n"), proc.stderr

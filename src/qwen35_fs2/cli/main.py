@@ -235,7 +235,7 @@ def _run_recipe(command: RecipeCommand, args: Namespace, parser: ArgumentParser)
     if args.output_dir is not None:
         override_dir = _override_output_dir(overrides, parser)
 
-        if override_dir is not None and override_dir != args.output_dir:
+        if override_dir is not None and _normalized(override_dir) != _normalized(args.output_dir):
             parser.error(
                 f"the output directory must be given once, but OUTPUT_DIR is '{args.output_dir}' and the override of `output_dir` is '{override_dir}'; fairseq2 would write to the first and record the second in config.yaml"
             )
@@ -359,6 +359,12 @@ def _summarize_config_error(ex: BaseException) -> str:
         return " ".join(dict.fromkeys([reasons[0], reasons[-1]]))
 
     return f"the configuration is invalid at `{'.'.join(keys)}`: {' '.join(reasons[-2:])}"
+
+
+def _normalized(path: Path) -> Path:
+    """``path`` as fairseq2 takes an output directory: ``~`` expanded, made
+    absolute (links are kept)."""
+    return path.expanduser().absolute()
 
 
 def _is_output_dir_arg(item: str) -> bool:

@@ -99,10 +99,14 @@ class TestMain:
 
         assert fairseq2_main.argv[1] == "runs/from_set"
 
-        # The same directory twice is one.
+        # The same directory twice is one, however it is spelled.
         cli.main(["lm", "train", "runs/from_set", "--config", str(config), "--set", "output_dir=runs/from_set"])
 
         assert fairseq2_main.argv[1] == "runs/from_set"
+
+        cli.main(["lm", "train", str(Path("runs/from_set").absolute()), "--config", str(config), "--set", "output_dir=runs/from_set"])
+
+        assert fairseq2_main.argv[1] == str(Path("runs/from_set").absolute())
 
     def test_rejects_an_output_dir_and_another_output_dir_override(self, fairseq2_main: _Fairseq2Main, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         # fairseq2 writes to the first and records the second in config.yaml.
