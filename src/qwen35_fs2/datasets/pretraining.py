@@ -56,8 +56,9 @@ Semantics of the reader:
   thread, ``prefetch`` batches ahead; batches are in pinned memory when
   ``gangs.dp`` is on CUDA.
 
-Recipes compiling the model should set ``BatchLayout.compiled_max_seq_len =
-max_seq_len``, as fairseq2's ``lm/train`` recipe does.
+``BatchLayout.compiled_max_seq_len`` is left unset: no compiled code of this
+package reads a layout's ``max_seq_len`` (fairseq2's flash attention does,
+which then recompiles for a new longest document, correctly).
 """
 
 from __future__ import annotations
