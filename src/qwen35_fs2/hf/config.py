@@ -143,8 +143,8 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
     Hugging Face Hub checkpoint (``hg://``) is downloaded by fairseq2 only
     after the configuration is made, so on its first run the cache holds the
     ``config.json`` alone; the names then come from the Hub (the index of a
-    sharded checkpoint and its files' headers, or the header of a single
-    file: kilobytes, which ``huggingface_hub`` reads without the tensors), so
+    sharded checkpoint, or the header of a single file: kilobytes, which
+    ``huggingface_hub`` reads without the tensors), so
     that the first run makes the configuration the later ones make from the
     cache. A cached index wins over the cached files, which an interrupted
     download leaves incomplete.
@@ -165,7 +165,16 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
     if repo_id is None:
         return None
 
+    # The index into the Hub cache, as config.json (once for all ranks on a
+    # shared cache); a checkpoint of one file has none, and huggingface_hub
+    # reads that file's header alone.
     try:
+        try:
+            return _read_index_tensor_names(card, Path(hf_hub_download(repo_id, _HUB_INDEX_FILE)))
+        except EntryNotFoundError as ex:
+            if isinstance(ex, LocalEntryNotFoundError):
+                raise
+
         return get_safetensors_metadata(repo_id).weight_map.keys()
     # Offline, unreachable (the Hub's errors are `OSError`s) or no safetensors.
     except (OSError, NotASafetensorsRepoError, SafetensorsParsingError) as ex:

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from huggingface_hub.errors import EntryNotFoundError
+
 from fairseq2.assets import AssetCard, AssetCardError
 
 from export_testing import DENSE_VLM, DENSE_VLM_BF16_TIED, MOE_VLM, read_config
@@ -198,19 +200,43 @@ class TestHubCheckpointWithoutTheHead:
 
         return add_hub_snapshot(hub_cache, self._REPO, files_dir)
 
+    @pytest.mark.parametrize("layout", ["one_file", "sharded"])
     def test_first_run_reads_the_tensor_names_from_the_hub_and_loads_without_the_head(
-        self, base_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+        self, layout: str, base_dirs: dict[TinyQwen35Spec, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
     ) -> None:
         checkpoint = with_mtp_config(base_dirs[DENSE_VLM], tmp_path / "ckpt", mtp=False)
 
         snapshot_dir = self._config_only_snapshot(checkpoint, tmp_path / "hub", monkeypatch)
 
-        # The Hub cannot be reached here: huggingface_hub's
-        # `get_safetensors_metadata` reads the same header over HTTP.
-        def hub_metadata(repo_id: str) -> SimpleNamespace:
+        weight_map = {key: "model.safetensors" for key in index_safetensors(checkpoint)}
+
+        # The Hub cannot be reached here. It answers a request for the index
+        # of a checkpoint of one file with "not found" (huggingface_hub's
+        # `get_safetensors_metadata` then reads the file's header over HTTP),
+        # and sends a sharded checkpoint's index into the cache.
+        index_file = tmp_path / "downloaded_index.json"
+
+        index_file.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+        hub_download = qwen35_fs2.hf.config.hf_hub_download
+
+        def download(repo_id: str, filename: str, **kwargs: object) -> str:
+            if filename != "model.safetensors.index.json" or kwargs.get("local_files_only"):
+                return hub_download(repo_id, filename, **kwargs)  # type: ignore[arg-type]
+
             assert repo_id == self._REPO
 
-            return SimpleNamespace(weight_map={key: "model.safetensors" for key in index_safetensors(checkpoint)})
+            if layout == "one_file":
+                raise EntryNotFoundError("404 Client Error: Entry Not Found")
+
+            return str(index_file)
+
+        def hub_metadata(repo_id: str) -> SimpleNamespace:
+            assert repo_id == self._REPO and layout == "one_file"
+
+            return SimpleNamespace(weight_map=weight_map)
+
+        monkeypatch.setattr(qwen35_fs2.hf.config, "hf_hub_download", download)
 
         monkeypatch.setattr(qwen35_fs2.hf.config, "get_safetensors_metadata", hub_metadata)
 
@@ -227,6 +253,8 @@ class TestHubCheckpointWithoutTheHead:
         shutil.copy(checkpoint / "model.safetensors", snapshot_dir)
 
         monkeypatch.setattr(qwen35_fs2.hf.config, "get_safetensors_metadata", None)
+
+        monkeypatch.setattr(qwen35_fs2.hf.config, "hf_hub_download", hub_download)
 
         assert hub.get_model_config(self._card()) == first_config
 
