@@ -30,7 +30,7 @@ from fairseq2.assets import AssetCard, AssetCardError, AssetDownloadError
 from fairseq2.logging import log
 from fairseq2.utils.uri import Uri
 
-from qwen35_fs2.hf.safetensors import index_safetensors
+from qwen35_fs2.hf.safetensors import SAFETENSORS_INDEX_FILE, index_safetensors, read_safetensors_weight_map
 from qwen35_fs2.models.qwen35.config import ENDOFTEXT_IDX, Qwen35Config, check_config
 from qwen35_fs2.models.qwen35.interop import has_mtp_tensors
 from qwen35_fs2.models.qwen35_moe.config import (
@@ -131,9 +131,6 @@ def _download_hub_config(card: AssetCard, uri: Uri) -> Path | None:
         raise AssetDownloadError(uri, "Hugging Face Hub returned an error.") from ex
 
 
-_HUB_INDEX_FILE: Final = "model.safetensors.index.json"
-
-
 def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Collection[str] | None:
     """Returns the names of the tensors of the checkpoint of ``card``, whose
     ``config.json`` :func:`find_checkpoint_hf_config` found in
@@ -154,7 +151,7 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
     repo_id = str(uri).removeprefix("hg://") if uri.scheme == "hg" else None
 
     if repo_id is not None:
-        cached_index = try_to_load_from_cache(repo_id, _HUB_INDEX_FILE)
+        cached_index = try_to_load_from_cache(repo_id, SAFETENSORS_INDEX_FILE)
 
         if isinstance(cached_index, str):
             return _read_index_tensor_names(card, Path(cached_index))
@@ -170,7 +167,7 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
     # reads that file's header alone.
     try:
         try:
-            return _read_index_tensor_names(card, Path(hf_hub_download(repo_id, _HUB_INDEX_FILE)))
+            return _read_index_tensor_names(card, Path(hf_hub_download(repo_id, SAFETENSORS_INDEX_FILE)))
         except EntryNotFoundError as ex:
             if isinstance(ex, LocalEntryNotFoundError):
                 raise
@@ -189,14 +186,9 @@ def find_checkpoint_tensor_names(card: AssetCard, checkpoint_dir: Path) -> Colle
 
 def _read_index_tensor_names(card: AssetCard, index_file: Path) -> Collection[str]:
     try:
-        weight_map = json.loads(index_file.read_text(encoding="utf-8")).get("weight_map")
-    except (json.JSONDecodeError, AttributeError):
-        weight_map = None
-
-    if not isinstance(weight_map, dict):
-        raise AssetCardError(card.name, f"{index_file}, the safetensors index of the checkpoint of the {card.name} asset card, must be a JSON object with a `weight_map` object, but is not.")  # fmt: skip
-
-    return weight_map.keys()
+        return read_safetensors_weight_map(index_file).keys()
+    except ValueError:
+        raise AssetCardError(card.name, f"{index_file}, the safetensors index of the checkpoint of the {card.name} asset card, must be a JSON object with a `weight_map` object, but is not.") from None  # fmt: skip
 
 
 _SUPPORTED_TEXT_MODEL_TYPES: Final = ("qwen3_5_text",)

@@ -59,6 +59,31 @@ def matrix_cols(shape: tuple[int, ...]) -> int:
     return shape[-1] if len(shape) > 1 else 1
 
 
+SAFETENSORS_INDEX_FILE: Final = "model.safetensors.index.json"
+"""The index of a Hugging Face checkpoint in safetensors: the file of each
+tensor."""
+
+
+def read_safetensors_weight_map(index_file: Path) -> dict[str, str]:
+    """Returns the ``weight_map`` of the safetensors index ``index_file``:
+    the file of each tensor, by name.
+
+    :raises ValueError: ``index_file`` holds no such index (the message says
+        why).
+    """
+    try:
+        document = json.loads(index_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as ex:
+        raise ValueError(f"it is not JSON: {ex}") from None
+
+    weight_map = document.get("weight_map") if isinstance(document, dict) else None
+
+    if not isinstance(weight_map, dict):
+        raise ValueError("it has no `weight_map` object")
+
+    return weight_map
+
+
 def index_safetensors(
     path: Path, files: Sequence[Path] | None = None
 ) -> dict[str, SafetensorsTensor]:

@@ -4,7 +4,6 @@ of the released layout."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,7 +16,12 @@ from torch import Tensor
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
 
 from qwen35_fs2.hf.config import get_text_config, load_hf_config
-from qwen35_fs2.hf.safetensors import SafetensorsTensor, index_safetensors
+from qwen35_fs2.hf.safetensors import (
+    SAFETENSORS_INDEX_FILE,
+    SafetensorsTensor,
+    index_safetensors,
+    read_safetensors_weight_map,
+)
 
 EXPORT_DTYPES: Final = {
     "bfloat16": torch.bfloat16,
@@ -38,8 +42,6 @@ PER_EXPERT_KEY: Final = re.compile(
     r"^(.*\.mlp\.experts\.)([0-9]+)\.(gate_proj|up_proj|down_proj)\.weight$"
 )
 
-INDEX_FILE: Final = "model.safetensors.index.json"
-"""The index of a sharded safetensors checkpoint."""
 
 class HfExportError(Exception):
     """Raised when an export cannot be made; nothing has been written then."""
@@ -146,13 +148,13 @@ class HfRepository:
 
 
 def _safetensors_files(path: Path) -> list[Path]:
-    index_file = path / INDEX_FILE
+    index_file = path / SAFETENSORS_INDEX_FILE
 
     if index_file.is_file():
         try:
-            weight_map = json.loads(index_file.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError, TypeError) as ex:
-            raise HfExportError(f"{index_file} must be a safetensors index with a `weight_map`, but cannot be read as one: {ex!r}") from None
+            weight_map = read_safetensors_weight_map(index_file)
+        except ValueError as ex:
+            raise HfExportError(f"{index_file} must be a safetensors index with a `weight_map`, but cannot be read as one: {ex}.") from None
 
         return [path / name for name in sorted(set(weight_map.values()))]
 

@@ -15,8 +15,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from qwen35_fs2.hf.export.plan import HfExportPlan
-from qwen35_fs2.hf.export.repository import INDEX_FILE, HfExportError, HfRepository, numel
-from qwen35_fs2.hf.safetensors import SafetensorsTensor
+from qwen35_fs2.hf.export.repository import HfExportError, HfRepository, numel
+from qwen35_fs2.hf.safetensors import SAFETENSORS_INDEX_FILE, SafetensorsTensor
 
 DEFAULT_MAX_SHARD_SIZE: Final = 5_000_000_000
 """The largest shard, in bytes, as in ``save_pretrained`` (``"5GB"``)."""
@@ -236,7 +236,7 @@ def _write_shards(plan: HfExportPlan, staging_dir: Path, max_shard_size: int) ->
         "weight_map": dict(sorted(weight_map.items())),
     }
 
-    _write_json(staging_dir / INDEX_FILE, index)
+    _write_json(staging_dir / SAFETENSORS_INDEX_FILE, index)
 
 
 def _materialize(plan: HfExportPlan, keys: Sequence[str]) -> dict[str, Tensor]:
