@@ -32,16 +32,23 @@ if isinstance(value, str) and value:
 EOF
 }
 
-# The highest step_N under OUTPUT_DIR/checkpoints, or under the checkpoints
-# of its sweep directories (`common.no_sweep_dir=false`), or nothing.
+# Every step_N checkpoint directory under OUTPUT_DIR/checkpoints or the
+# checkpoints of its sweep directories (`common.no_sweep_dir=false`), a line
+# each, sorted.
+_qwen35_checkpoints() {
+    local d
+    for d in "$1"/checkpoints/step_* "$1"/*/checkpoints/step_*; do
+        if [ -d "$d" ] && [[ ${d##*/step_} =~ ^[0-9]+$ ]]; then echo "$d"; fi
+    done | sort
+}
+
+# The highest N of those step_N directories, or nothing.
 _qwen35_last_checkpoint() {
     local d best=""
-    for d in "$1"/checkpoints/step_* "$1"/*/checkpoints/step_*; do
-        [ -d "$d" ] || continue
+    while IFS= read -r d; do
         d=${d##*/step_}
-        [[ $d =~ ^[0-9]+$ ]] || continue
         if [ -z "$best" ] || [ "$d" -gt "$best" ]; then best=$d; fi
-    done
+    done < <(_qwen35_checkpoints "$1")
     echo "$best"
 }
 
@@ -64,14 +71,6 @@ _qwen35_requeue() {
         exit 3
     fi
     exit 0
-}
-
-# Every step_N checkpoint directory under OUTPUT_DIR, a line each, sorted.
-_qwen35_checkpoints() {
-    local d
-    for d in "$1"/checkpoints/step_* "$1"/*/checkpoints/step_*; do
-        if [ -d "$d" ] && [[ ${d##*/step_} =~ ^[0-9]+$ ]]; then echo "$d"; fi
-    done | sort
 }
 
 # Requeues the job if it saved a checkpoint that the output directory $1 did
