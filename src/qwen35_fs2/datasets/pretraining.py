@@ -178,6 +178,10 @@ class PretrainingDataset:
 
         row_groups = index_parquet_row_groups(files, text_column=self._text_column)
 
+        _check_same_row_groups_on_ranks(files, row_groups, gangs)
+
+        log.info("Reading {} parquet file(s): {} row group(s), {} document(s).", len(files), len(row_groups), sum(rg.num_rows for rg in row_groups))  # fmt: skip
+
         vocab_info = tokenizer.vocab_info
 
         encoder = tokenizer.create_encoder(mode="default")
@@ -258,6 +262,62 @@ def _resolve_files_on_gangs(
             files = resolve_parquet_files(paths, hf_allow_patterns=hf_allow_patterns)
 
     return files
+
+
+def row_groups_digest(row_groups: Sequence[ParquetRowGroup]) -> bytes:
+    """Returns the SHA-256 of the files' names, indices and row counts of
+    ``row_groups``, in order: what identifies a dataset's layout across
+    ranks and runs without reading its contents."""
+    digest = hashlib.sha256()
+
+    for rg in row_groups:
+        digest.update(f"{rg.file.name}:{rg.index}:{rg.num_rows}\n".encode())
+
+    return digest.digest()
+
+
+def _check_same_row_groups_on_ranks(
+    files: Sequence[Path], row_groups: Sequence[ParquetRowGroup], gangs: Gangs
+) -> None:
+    """Raises an error on every rank if some rank found other parquet row
+    groups than rank 0.
+
+    The ranks deal out the row groups of the list each of them resolved, so
+    lists that differ make them read some row groups twice and others never.
+    A ``hg://`` source resolves from each node's Hugging Face cache, which
+    ``huggingface_hub`` does not check for completeness: a node-local cache
+    left by an interrupted or narrower download yields fewer files, as can
+    a local directory that differs between nodes.
+    """
+    if gangs.root.size == 1:
+        return
+
+    digest = row_groups_digest(row_groups)
+
+    # The counts, for the message, and the digest as four int64 values.
+    words = [len(files), len(row_groups)] + [
+        int.from_bytes(digest[idx : idx + 8], "little", signed=True) for idx in range(0, len(digest), 8)  # fmt: skip
+    ]
+
+    local = torch.tensor(words, dtype=torch.int64, device=gangs.root.device)
+
+    gathered = [torch.empty_like(local) for _ in range(gangs.root.size)]
+
+    gangs.root.all_gather_to_list(gathered, local)
+
+    reference = gathered[0]
+
+    differing = [rank for rank, words in enumerate(gathered) if not torch.equal(words, reference)]
+
+    if differing:
+        found = "; ".join(
+            f"rank {rank}: {int(gathered[rank][0])} file(s), {int(gathered[rank][1])} row group(s)"
+            for rank in [0] + differing
+        )
+
+        raise DataReadError(
+            f"Every rank must read the same parquet row groups, but rank(s) {differing} found other ones than rank 0 ({found}). A Hugging Face cache holding part of a download (a node-local cache, an interrupted download) or local files that differ between nodes cause this; complete the cache (`hf download --repo-type dataset REPO --include PATTERN`) or point all nodes at one shared cache (`HF_HOME`)."
+        )
 
 
 @final
@@ -359,14 +419,9 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._pad_value = pad_value
         self._pin_memory = pin_memory
 
-        digest = hashlib.sha256()
-
-        for rg in self._row_groups:
-            digest.update(f"{rg.file.name}:{rg.index}:{rg.num_rows}\n".encode())
-
         # Everything the batch stream depends on, except the file contents.
         self._fingerprint: dict[str, object] = {
-            "row_groups": digest.hexdigest(),
+            "row_groups": row_groups_digest(self._row_groups).hex(),
             "tokenizer": tokenizer_id,
             "text_column": text_column,
             "dp_rank": gangs.dp.rank,

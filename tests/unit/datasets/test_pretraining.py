@@ -799,6 +799,58 @@ class TestHubDownloadAcrossRanks:
             self._create_reader(1, monkeypatch, rank0_outcome="OSError: offline")
 
 
+    def test_ranks_fail_together_when_a_cache_holds_part_of_the_download(
+        self, snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        # Rank 1's node-local cache kept one file of an interrupted download:
+        # huggingface_hub returns the snapshot as it is.
+        snapshot.joinpath("data", "b.parquet").write_bytes(snapshot.joinpath("data", "a.parquet").read_bytes())  # fmt: skip
+
+        partial = tmp_path.joinpath("partial")
+
+        partial.joinpath("data").mkdir(parents=True)
+
+        partial.joinpath("data", "a.parquet").write_bytes(snapshot.joinpath("data", "a.parquet").read_bytes())  # fmt: skip
+
+        def snapshot_download(repo_id: str, **kwargs: object) -> str:
+            return str(partial if kwargs["local_files_only"] else snapshot)
+
+        monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+        # What each rank contributes to the all-gather, as a real gang would
+        # deliver it: rank 0's words first.
+        sent: dict[int, torch.Tensor] = {}
+
+        def create_reader(rank: int) -> PretrainingReader:
+            gangs = fake_gangs(rank, 2)
+
+            monkeypatch.setattr(gangs.root, "broadcast_objects", lambda objects, source_rank=0: None)  # fmt: skip
+
+            def all_gather_to_list(outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+                sent[rank] = tensor.clone()
+
+                for idx, output in enumerate(outputs):
+                    output.copy_(sent.get(idx, tensor))
+
+            monkeypatch.setattr(gangs.root, "all_gather_to_list", all_gather_to_list)
+
+            dataset = PretrainingDataset(["hg://org/data"], hf_allow_patterns=["data/*.parquet"])  # fmt: skip
+
+            return dataset.create_reader(
+                ByteTokenizer(), gangs, max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False  # fmt: skip
+            )
+
+        create_reader(0)
+
+        with pytest.raises(DataReadError, match=r"rank\(s\) \[1\] found other ones than rank 0 \(rank 0: 2 file\(s\), 4 row group\(s\); rank 1: 1 file\(s\), 2 row group\(s\)\)"):  # fmt: skip
+            create_reader(1)
+
+        # With the whole download in its cache, rank 1 reads.
+        partial.joinpath("data", "b.parquet").write_bytes(snapshot.joinpath("data", "b.parquet").read_bytes())  # fmt: skip
+
+        assert len(create_reader(1).files) == 2
+
+
 class TestPretrainingDatasetConfig:
     def test_defaults_read_fineweb_edu_sample_10bt(self) -> None:
         config = PretrainingDatasetConfig()
