@@ -20,9 +20,12 @@ At every granularity, the ``A_log`` and ``dt_bias`` of each Gated DeltaNet
 layer (its :class:`~qwen35_fs2.nn.gated_deltanet.GatedDeltaNetDecay`) are
 a small unit of their own, gathered and reduced in fp32 under mixed precision
 (``mamba_ssm_dtype: float32``), and kept gathered between forward and
-backward (two vectors of ``H_v`` entries per layer). fairseq2's recipes wrap
+backward (two vectors of ``H_v`` entries per layer). So is the weight of
+every MoE router whose ``precision`` is ``fp32`` (resharded after its
+forward pass, as it is ``E x M``). fairseq2's recipes wrap
 ``model`` granularity themselves, without this applier: the decay parameters
-are then cast with the rest, and the layers warn about it.
+and routers are then cast with the rest, and the layers warn about the
+former.
 
 MoE experts are stacked ``(E, 2I, M)`` and ``(E, M, I)`` tensors, so FSDP2's
 first-dimension sharding gives each rank whole experts (``E / sdp_size`` of
@@ -51,6 +54,7 @@ from fairseq2.nn.fsdp import FSDPWrapper
 from qwen35_fs2.compat.fsdp_unit_precision import fsdp_unit_mixed_precision, keep_fsdp_unit_in_fp32
 from qwen35_fs2.nn.moe.expert_parallel import ExpertParallelism
 from qwen35_fs2.nn.moe.experts import RoutedExperts
+from qwen35_fs2.nn.moe.router import TopKRouter
 from qwen35_fs2.nn.mtp import find_mtp
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNetDecay
 from qwen35_fs2.parallel.expert_parallel import (
@@ -97,6 +101,13 @@ def _apply_units(model: TransformerLM, granularity: str, wrapper: FSDPWrapper) -
 
     for decay in decays:
         keep_fsdp_unit_in_fp32(wrapper(decay, reshard_after_forward=False))
+
+    # The routers that compute in fp32 get their weight in fp32, not
+    # rounded to the mixed precision dtype and upcast.
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter) and m.precision == "fp32"]
+
+    for router in routers:
+        keep_fsdp_unit_in_fp32(wrapper(router))
 
     if granularity == "model":
         return wrapper(model, reshard_after_forward=False)

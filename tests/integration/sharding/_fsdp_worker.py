@@ -29,13 +29,15 @@ Writes ``{case: {"layer_fractions": [...], "max_grad_diff": ..., "loss_diff":
 A last case wraps a model with fairseq2's own ``to_fsdp2`` under static bf16
 mixed precision, as the recipes do, and records the dtypes that the Gated
 DeltaNet decay parameters, their gradients and the projections have in the
-forward and backward passes (``"mixed_precision"``).
+forward and backward passes, and the dtype of the MoE routers' weights in
+their forward pass for both router precisions (``"mixed_precision"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,6 +55,7 @@ from fairseq2.nn.fsdp import FSDPWrapper, to_fsdp2
 from qwen35_fs2.lora import LORA_TARGET_PARAMETERS, LoraConfig, apply_lora
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.nn import collect_moe_statistics
+from qwen35_fs2.nn.moe.router import TopKRouter
 from qwen35_fs2.nn.lora import ExpertLoraAdapter, reset_lora_adapters
 from qwen35_fs2.models.qwen35.config import Qwen35Config, tiny_qwen35_config
 from qwen35_fs2.parallel.fsdp import apply_fsdp_to_qwen35
@@ -366,7 +369,37 @@ def _check_mixed_precision(gangs: Gangs) -> dict[str, object]:
 
             seen.setdefault("sharded_decay", set()).add(f"{param.dtype}/{grad.dtype}")
 
-    return {**{k: sorted(v) for k, v in seen.items()}, "decay_grad_errors": decay_grad_errors}
+    return {
+        **{k: sorted(v) for k, v in seen.items()},
+        "decay_grad_errors": decay_grad_errors,
+        "router_weights": {precision: _router_weight_dtypes(precision, gangs) for precision in ("activation", "fp32")},
+    }
+
+
+def _router_weight_dtypes(precision: str, gangs: Gangs) -> list[str]:
+    """The dtypes of the weights the MoE routers of ``precision`` compute
+    with, in a forward and backward pass under static bf16 mixed precision
+    (as in :func:`_check_mixed_precision`)."""
+    config = tiny_qwen35_moe_config()
+
+    config.experts = replace(config.experts, router_precision=precision)
+
+    def apply(module: Module, wrapper: FSDPWrapper) -> Module:
+        return apply_fsdp_to_qwen35(module, "layer", wrapper)  # type: ignore[arg-type]
+
+    model = to_fsdp2(create_reference_model(config).train(), gangs, apply, mixed_precision_dtype=torch.bfloat16)
+
+    seen: set[str] = set()
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_pre_hook(lambda module, args: seen.add(str(module.weight.dtype)))
+
+    seqs, seq_lens = _shares(config.vocab_size)[gangs.root.rank]
+
+    _loss(model, seqs, seq_lens).backward()
+
+    return sorted(seen)
 
 
 def main() -> None:

@@ -48,6 +48,10 @@ def test_fsdp2_shards_every_layer_and_matches_the_unsharded_model(tmp_path: Path
     assert mixed_precision["sharded_decay"] == ["torch.float32/torch.float32"]
     assert mixed_precision["proj_weights"] == ["torch.bfloat16"]
 
+    # A router computing in fp32 gets its weight in fp32, not rounded to
+    # bf16 by FSDP2 and upcast; the default computes in bf16 as serving does.
+    assert mixed_precision["router_weights"] == {"activation": ["torch.bfloat16"], "fp32": ["torch.float32"]}
+
     # Their gradients follow the fp32 reference up to the bf16 rounding of
     # the rest of the model.
     assert len(mixed_precision["decay_grad_errors"]) == 6
