@@ -235,7 +235,12 @@ def read_parquet_texts(row_group: ParquetRowGroup, *, text_column: str = "text")
             f"Row group {row_group.index} of {file} cannot be read."
         ) from ex
 
-    texts: list[str] = table.column(0).to_pylist()
+    try:
+        texts: list[str] = table.column(0).to_pylist()
+    except UnicodeDecodeError as ex:
+        raise ParquetTextError(
+            f"Row {row_group.first_row + _first_invalid_utf8_row(table.column(0))} of {file} (row group {row_group.index}) must have a UTF-8 `{text_column}`, but does not: {ex}."
+        ) from ex
 
     if len(texts) != row_group.num_rows:
         raise ParquetTextError(
@@ -249,6 +254,22 @@ def read_parquet_texts(row_group: ParquetRowGroup, *, text_column: str = "text")
             )
 
     return texts
+
+
+def _first_invalid_utf8_row(column: pa.ChunkedArray) -> int:
+    """Returns the index of the first value of the string ``column`` that is
+    not valid UTF-8 (parquet files written without validation can hold
+    such values, which pyarrow reads as strings)."""
+    for idx, value in enumerate(column.cast(pa.binary()).to_pylist()):
+        if value is None:
+            continue
+
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            return idx
+
+    raise ValueError("`column` must hold a value that is not valid UTF-8, but holds none.")
 
 
 def _read_metadata(file: Path) -> pq.FileMetaData:

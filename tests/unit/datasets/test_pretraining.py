@@ -543,6 +543,24 @@ class TestPretrainingReader:
         with pytest.raises(ParquetTextError, match=rf"Row 3 of {file} \(row group 1\) must have a string `text`, but has None instead"):  # fmt: skip
             next(reader)
 
+    def test_text_that_is_not_utf8_raises_error_naming_file_and_row(self, tmp_path: Path) -> None:  # fmt: skip
+        file = tmp_path.joinpath("latin1.parquet")
+
+        # A writer that did not validate its strings (pyarrow reads them as
+        # strings all the same).
+        values = pa.array([b"a", b"b", b"c", b"caf\xe9", b"e"], type=pa.binary())
+
+        texts = pa.Array.from_buffers(pa.string(), len(values), values.buffers())
+
+        pq.write_table(pa.table({"text": texts}), file, row_group_size=2)
+
+        reader = PretrainingDataset([file]).create_reader(
+            ByteTokenizer(), fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63, shuffle=False  # fmt: skip
+        )
+
+        with pytest.raises(ParquetTextError, match=rf"Row 3 of {file} \(row group 1\) must have a UTF-8 `text`, but does not"):  # fmt: skip
+            next(reader)
+
     def test_create_reader_raises_error_when_tokenizer_does_not_append_eos(
         self, fineweb_dir: Path
     ) -> None:
