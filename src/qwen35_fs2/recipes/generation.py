@@ -175,12 +175,12 @@ class ResponseBudget:
 
     fairseq2 0.8.1's generators give a batch ``max_gen_len`` tokens after
     its *longest* prompt (capped at ``max_seq_len``), the last one forced to
-    the end token: a short prompt beside a long one may generate more, so
-    whether a response is cut off, and what it then says, would depend on
-    its neighbours (the batch size, the number of data-parallel ranks,
-    speculative decoding, which decodes a prompt at a time). A response is
-    therefore cut to the tokens its prompt would get as the longest of its
-    batch, less the forced end token; one without an end token in them is
+    the end token. :class:`ResponseUnit` generates each prompt with prompts
+    of its own length only, so that this is the prompt's own allowance; the
+    speculative decoder, which decodes a prompt at a time, is capped by the
+    model's ``max_seq_len`` alone. Every response is cut to the tokens its
+    prompt gets as the longest of its batch, less the forced end token, so
+    that both paths give the same; one without an end token in them is
     *truncated*, and recorded as such.
     """
 
@@ -351,25 +351,42 @@ def create_prompt_reader(
     batch_size: int,
     prefetch: int,
 ) -> DataPipelineReader[SequenceBatch]:
-    """Returns a reader of this rank's share of ``examples`` as right-padded
-    batches of generation prompts; ``batch.example`` holds the examples."""
+    """Returns a reader of this rank's share of ``examples`` as batches of
+    generation prompts of one length each; ``batch.example`` holds the
+    examples.
+
+    fairseq2 0.8.1's generators count a batch's steps from its longest
+    prompt: they forbid the end token until the longest prompt has
+    ``min_gen_len`` generated tokens, so a shorter prompt cannot end its
+    response in its first tokens beside a longer one (and beam search ranks
+    its hypotheses over the longest prompt's allowance). A prompt's response
+    would then depend on the prompts batched with it: on the batch size, on
+    the number of ranks. Batched with prompts of its own length only, every
+    prompt gets the response it gets alone. The prompts are batched longest
+    first, up to ``batch_size`` of one length, and the batches dealt to the
+    ranks in turn.
+    """
     encoder = ChatEncoder(tokenizer)
 
-    def encode(example: InstructionExample) -> dict[str, Any]:
-        return {**example, "indices": encoder.encode_prompt(example["prompt"])}
+    encoded = [{**example, "indices": encoder.encode_prompt(example["prompt"])} for example in examples]  # fmt: skip
+
+    by_length: dict[int, list[dict[str, Any]]] = {}
+
+    for example in encoded:
+        by_length.setdefault(len(example["indices"]), []).append(example)
+
+    batches = [
+        prompts[idx : idx + batch_size]
+        for _, prompts in sorted(by_length.items(), reverse=True)
+        for idx in range(0, len(prompts), batch_size)
+    ]
 
     vocab_info = tokenizer.vocab_info
 
     # The generator reads the prompt lengths, not the pad value.
     pad_idx = vocab_info.pad_idx if vocab_info.pad_idx is not None else vocab_info.eos_idx
 
-    builder = read_sequence(list(examples))
-
-    builder.shard(gangs.dp.rank, gangs.dp.size, allow_uneven=True)
-
-    builder.map(encode)
-
-    builder.bucket(batch_size)
+    builder = read_sequence(batches[gangs.dp.rank :: gangs.dp.size])
 
     builder.map(Collater(pad_value=pad_idx))
 
@@ -511,20 +528,29 @@ class ResponseUnit(GeneratorUnit[SequenceBatch]):
 
     def _generate(self, seqs: Tensor, seqs_layout: BatchLayout, metric_bag: MetricBag) -> list[Tensor]:
         """Returns the first hypothesis of fairseq2's generator for each
-        prompt."""
-        output = self._generator(seqs, seqs_layout)
+        prompt, generated with the prompts of its length (see
+        :func:`create_prompt_reader`; a batch of it is one call)."""
+        rows_of_length: dict[int, list[int]] = {}
 
-        update_seq_generator_metrics(metric_bag, output)
+        for row, seq_len in enumerate(seqs_layout.seq_lens):
+            rows_of_length.setdefault(seq_len, []).append(row)
 
-        response_seqs = []
+        response_seqs: list[Tensor | None] = [None] * len(seqs_layout.seq_lens)
 
-        for hypotheses in output.hypotheses:
-            if not hypotheses:
-                raise InternalError("The sequence generator returned no hypothesis.")
+        for seq_len, rows in rows_of_length.items():
+            prompts = seqs[rows, :seq_len]
 
-            response_seqs.append(hypotheses[0].seq)
+            output = self._generator(prompts, BatchLayout.of(prompts))
 
-        return response_seqs
+            update_seq_generator_metrics(metric_bag, output)
+
+            for row, hypotheses in zip(rows, output.hypotheses):
+                if not hypotheses:
+                    raise InternalError("The sequence generator returned no hypothesis.")
+
+                response_seqs[row] = hypotheses[0].seq
+
+        return cast(list[Tensor], response_seqs)
 
     def _generate_speculatively(
         self, seqs: Tensor, seqs_layout: BatchLayout, metric_bag: MetricBag

@@ -41,11 +41,13 @@ def _fake_generator(tokenizer: Qwen35Tokenizer, prompts: list[Tensor]) -> Sequen
     encoder = tokenizer.create_encoder(mode="prompt_response")
 
     def generate(seqs: Tensor, seqs_layout: BatchLayout) -> SequenceGeneratorOutput:
-        # The prompts arrive as rendered by the chat template, right-padded.
-        for row, prompt in enumerate(prompts):
-            torch.testing.assert_close(seqs[row, : len(prompt)], prompt)
+        # The prompts arrive as rendered by the chat template, each with
+        # prompts of its length only.
+        assert not seqs_layout.padded
 
-        hypotheses = [[Hypothesis(encoder(text), score=None, step_scores=None)] for text in _GENERATIONS]
+        rows = [next(idx for idx, prompt in enumerate(prompts) if torch.equal(seq, prompt)) for seq in seqs]
+
+        hypotheses = [[Hypothesis(encoder(_GENERATIONS[row]), score=None, step_scores=None)] for row in rows]
 
         return SequenceGeneratorOutput(hypotheses, GenerationCounters(num_generated_elements=30, generation_time=0.5))
 
@@ -55,8 +57,6 @@ def _fake_generator(tokenizer: Qwen35Tokenizer, prompts: list[Tensor]) -> Sequen
 class TestGsm8kEvalUnit:
     def test_scores_final_answers_and_writes_every_generation(self, tokenizer: Qwen35Tokenizer) -> None:
         reader = create_prompt_reader(_EXAMPLES, tokenizer, create_fake_gangs(CPU), batch_size=3, prefetch=0)
-
-        [batch] = next(reader)
 
         encoder = ChatEncoder(tokenizer)
 
@@ -70,13 +70,15 @@ class TestGsm8kEvalUnit:
 
         unit.prepare_metric_bag(metric_bag)
 
-        unit.process_batch(batch, metric_bag)
+        for batches in reader:
+            for batch in batches:
+                unit.process_batch(batch, metric_bag)
 
         assert float(metric_bag.get("accuracy", Mean).compute()) == 2 / 3
 
         assert int(metric_bag.get("num_correct", Sum).compute()) == 2
 
-        records = [json.loads(line) for line in stream.getvalue().splitlines()]
+        records = sorted((json.loads(line) for line in stream.getvalue().splitlines()), key=lambda r: r["id"])
 
         assert [(r["id"], r["answer"], r["reference_answer"], r["correct"]) for r in records] == [
             ("a", "1234", "1234", True),
@@ -121,8 +123,6 @@ class TestMtpAcceptanceInEvaluation:
 
         reader = create_prompt_reader(_EXAMPLES, tokenizer, create_fake_gangs(CPU), batch_size=3, prefetch=0)
 
-        [batch] = next(reader)
-
         budget = ResponseBudget(24, 4096)
 
         unit = Gsm8kEvalUnit(generator, tokenizer, None, budget=budget)
@@ -131,38 +131,41 @@ class TestMtpAcceptanceInEvaluation:
 
         unit.prepare_metric_bag(metric_bag)
 
+        batches = [batch for read in reader for batch in read]
+
+        accepted, counted = 0, 0
+
         with torch.no_grad():
-            unit.process_batch(batch, metric_bag)
+            for batch in batches:
+                unit.process_batch(batch, metric_bag)
 
-            # Independently, example by example: the head's draft at t (from
-            # the trunk at t and token t + 1) against the trunk's greedy
-            # token at t + 1, for each response token after the first.
-            seqs, layout = batch.as_input()
+                # Independently, example by example: the head's draft at t (from
+                # the trunk at t and token t + 1) against the trunk's greedy
+                # token at t + 1, for each response token after the first.
+                seqs, layout = batch.as_input()
 
-            output = generator(seqs, layout)
+                output = generator(seqs, layout)
 
-            accepted, counted = 0, 0
+                for row, (prompt_len, hypotheses) in enumerate(zip(layout.seq_lens, output.hypotheses)):
+                    # The response as the unit cuts it (no end token here).
+                    response = hypotheses[0].seq[: budget.for_prompt(prompt_len)]
 
-            for row, (prompt_len, hypotheses) in enumerate(zip(layout.seq_lens, output.hypotheses)):
-                # The response as the unit cuts it (no end token here).
-                response = hypotheses[0].seq[: budget.for_prompt(prompt_len)]
+                    full = torch.cat([seqs[row, :prompt_len], response])
 
-                full = torch.cat([seqs[row, :prompt_len], response])
+                    inputs = full[:-1].unsqueeze(0)
 
-                inputs = full[:-1].unsqueeze(0)
+                    inputs_layout = BatchLayout.of(inputs)
 
-                inputs_layout = BatchLayout.of(inputs)
+                    greedy = model(inputs, inputs_layout).argmax(-1)[0]
 
-                greedy = model(inputs, inputs_layout).argmax(-1)[0]
+                    hidden = model.decoder(*model.decoder_frontend(inputs, inputs_layout))
 
-                hidden = model.decoder(*model.decoder_frontend(inputs, inputs_layout))
+                    drafts = model.final_proj(model.mtp(hidden, model.decoder_frontend.embed(full[1:].unsqueeze(0)), inputs_layout)).argmax(-1)[0]
 
-                drafts = model.final_proj(model.mtp(hidden, model.decoder_frontend.embed(full[1:].unsqueeze(0)), inputs_layout)).argmax(-1)[0]
+                    for t in range(prompt_len - 1, full.size(0) - 2):
+                        counted += 1
 
-                for t in range(prompt_len - 1, full.size(0) - 2):
-                    counted += 1
-
-                    accepted += int(drafts[t] == greedy[t + 1])
+                        accepted += int(drafts[t] == greedy[t + 1])
 
         assert 0 < accepted < counted, (accepted, counted)
 
@@ -201,7 +204,10 @@ class TestResponseBudget:
         # `max_seq_len` of the config caps the model's.
         assert budget.for_prompt(250) == 49
 
-    def test_a_response_is_the_same_whatever_the_prompts_beside_it(self, tokenizer: Qwen35Tokenizer) -> None:
+    @pytest.mark.parametrize("ends_early", [False, True])
+    def test_a_response_is_the_same_whatever_the_prompts_beside_it(self, tokenizer: Qwen35Tokenizer, ends_early: bool) -> None:
+        from fairseq2.data import Collater
+        from fairseq2.datasets import SequenceBatch
         from fairseq2.generation.sampling import SamplingSequenceGenerator, TopKSampler
 
         from qwen35_fs2.models.qwen35 import create_qwen35_model
@@ -213,20 +219,46 @@ class TestResponseBudget:
 
         config.vocab_size = 248_320
         config.pad_idx = ENDOFTEXT_IDX
+        config.tied_embeddings = False
 
         model = create_qwen35_model(config).eval()
-
-        # A random model writes no end token: every response runs out.
-        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=8, temperature=1.0)
 
         examples = [
             {"id": "short", "prompt": "Hi?", "response": "#### 1"},
             {"id": "long", "prompt": "What is " + " + ".join(map(str, range(40))) + "?", "response": "#### 780"},
         ]
 
-        def records(batch_size: int) -> list[dict[str, object]]:
-            reader = create_prompt_reader(examples, tokenizer, create_fake_gangs(CPU), batch_size=batch_size, prefetch=0)
+        encoder = ChatEncoder(tokenizer)
 
+        prompts = [encoder.encode_prompt(example["prompt"]) for example in examples]
+
+        if ends_early:
+            # The short prompt's second greedy token made `<|im_end|>` (the
+            # rows of the two tokens swapped in the output projection): its
+            # response ends there when it is generated alone. fairseq2
+            # forbids the end token in a batch until its longest prompt is
+            # read, so batched with the long prompt it would run on.
+            with torch.no_grad():
+                seqs = prompts[0].unsqueeze(0)
+
+                first = model(seqs, BatchLayout.of(seqs))[0, -1].argmax().view(1, 1)
+
+                seqs = torch.cat([seqs, first], dim=1)
+
+                second = int(model(seqs, BatchLayout.of(seqs))[0, -1].argmax())
+
+                final_proj = model.final_proj.weight
+
+                end = tokenizer.vocab_info.eos_idx
+
+                final_proj[[second, end]] = final_proj[[end, second]]
+
+        # Otherwise a random model writes no end token: every response runs
+        # out, and fairseq2 gives the short prompt the long one's allowance
+        # in a batch (8 tokens more than its own).
+        generator = SamplingSequenceGenerator(model, tokenizer.vocab_info, TopKSampler(k=1), max_gen_len=8, temperature=1.0)
+
+        def records(batches: list[SequenceBatch]) -> list[dict[str, object]]:
             stream = io.StringIO()
 
             unit = Gsm8kEvalUnit(generator, tokenizer, stream, budget=ResponseBudget(8, 4096))
@@ -236,25 +268,72 @@ class TestResponseBudget:
             unit.prepare_metric_bag(metric_bag)
 
             with torch.no_grad():
-                for batches in reader:
-                    for batch in batches:
-                        unit.process_batch(batch, metric_bag)
+                for batch in batches:
+                    unit.process_batch(batch, metric_bag)
 
-            assert int(metric_bag.get("num_truncated", Sum).compute()) == 2
+            records = sorted((json.loads(line) for line in stream.getvalue().splitlines()), key=lambda r: r["id"])
 
-            return [json.loads(line) for line in stream.getvalue().splitlines()]
+            assert int(metric_bag.get("num_truncated", Sum).compute()) == sum(bool(r["truncated"]) for r in records)
 
-        together, alone = records(batch_size=2), records(batch_size=1)
+            return records
 
-        # fairseq2 gives the short prompt the long one's allowance in a
-        # batch (8 tokens more than its own); cut, it says the same.
-        assert together == alone
+        def read(batch_size: int) -> list[SequenceBatch]:
+            reader = create_prompt_reader(examples, tokenizer, create_fake_gangs(CPU), batch_size=batch_size, prefetch=0)
 
-        assert all(r["truncated"] is True for r in together)
+            return [batch for batches in reader for batch in batches]
 
-        encoder = tokenizer.create_encoder(mode="prompt_response")
+        # Both prompts in one right-padded batch, as a reader of mixed
+        # lengths would make it.
+        collated = Collater(pad_value=tokenizer.vocab_info.pad_idx)([{**e, "indices": p} for e, p in zip(examples, prompts)])
 
-        assert len(encoder(together[0]["generation"])) <= 7
+        indices = collated.pop("indices")
+
+        mixed = SequenceBatch(indices["seqs"], indices["seq_lens"], example=collated)
+
+        alone = records(read(batch_size=1))
+
+        assert records(read(batch_size=2)) == alone
+
+        assert records([mixed]) == alone
+
+        short = alone[1]
+
+        assert short["id"] == "short"
+
+        if ends_early:
+            assert short["truncated"] is False
+
+            assert short["generation"] == tokenizer.create_decoder(skip_special_tokens=True)(first.view(-1))
+        else:
+            assert all(record["truncated"] is True for record in alone)
+
+    def test_prompts_are_batched_by_length_longest_first_and_dealt_to_the_ranks(self, tokenizer: Qwen35Tokenizer) -> None:
+        encoder = ChatEncoder(tokenizer)
+
+        examples = [{"id": str(idx), "prompt": "What is " + "1 + " * n + "1?", "response": ""} for idx, n in enumerate([3, 1, 3, 2, 3, 1])]
+
+        lengths = {e["id"]: len(encoder.encode_prompt(e["prompt"])) for e in examples}
+
+        assert len(set(lengths.values())) == 3
+
+        def batches(rank: int, size: int) -> list[list[str]]:
+            from fairseq2.gang import FakeGang, Gangs
+
+            gang = FakeGang(CPU, rank=rank, size=size)
+
+            single = FakeGang(CPU)
+
+            gangs = Gangs(root=gang, dp=gang, rdp=gang, sdp=single, tp=single, pp=single)
+
+            reader = create_prompt_reader(examples, tokenizer, gangs, batch_size=2, prefetch=0)
+
+            return [list(batch.example["id"]) for batches in reader for batch in batches]  # type: ignore[index]
+
+        # Of one length each, in the order of the examples within a length.
+        assert batches(0, 1) == [["0", "2"], ["4"], ["3"], ["1", "5"]]
+
+        assert batches(0, 2) == [["0", "2"], ["3"]]
+        assert batches(1, 2) == [["4"], ["1", "5"]]
 
 
 class TestStopTokens:
