@@ -35,6 +35,7 @@ from fairseq2.recipe.base import RecipeContext
 from fairseq2.recipe.config import (
     TOP_K_SAMPLER,
     BeamSearchConfig,
+    ReferenceModelSection,
     SamplingConfig,
     SequenceGeneratorSection,
     TokenizerSection,
@@ -238,6 +239,22 @@ def validate_response_generator(section: SequenceGeneratorSection) -> Validation
     if isinstance(section.config, SamplingConfig | BeamSearchConfig) and section.config.echo_prompt:
         result.add_error(
             "`config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead."
+        )
+
+    return result
+
+
+def validate_response_model(section: ReferenceModelSection) -> ValidationResult:
+    """Checks that the model of a response recipe runs uncompiled: under
+    ``torch.compile`` incremental decoding fails at its first step in torch
+    2.9 (the attention layers' key-value cache makes a ``BatchLayout`` inside
+    the compiled layer, whose ``maybe_mark_dynamic`` dynamo refuses to
+    trace; fairseq2's own models fail alike)."""
+    result = ValidationResult()
+
+    if section.compile:
+        result.add_error(
+            "`compile` must be `False`, since incremental decoding does not run under `torch.compile` (torch 2.9), but is `True` instead."
         )
 
     return result

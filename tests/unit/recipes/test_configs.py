@@ -95,6 +95,22 @@ class TestBadConfigs:
 
         assert not (tmp_path / "out").exists()
 
+    @pytest.mark.parametrize(("recipe", "config"), [("eval_gsm8k", "qwen35_tiny_gsm8k_eval_cpu.yaml"), ("generate", None)])
+    def test_a_compiled_model_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str, config: str | None) -> None:
+        # Incremental decoding fails under torch.compile (pinned in
+        # tests/unit/models/qwen35/test_generation.py).
+        config_args = [] if config is None else ["--config", str(RECIPES_DIR / config)]
+
+        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), *config_args, "--no-rich", "--set", "model.compile=true")
+
+        assert returncode == 2, output
+
+        last_line = output.strip().splitlines()[-1]
+
+        assert "`model` is not valid: `compile` must be `False`, since incremental decoding does not run under `torch.compile` (torch 2.9), but is `True` instead." in last_line, last_line
+
+        assert not (tmp_path / "out").exists()
+
     @pytest.mark.parametrize("recipe", ["instruction_finetune", "train"])
     def test_lora_dropout_under_tensor_parallelism_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str) -> None:
         # fairseq2 seeds each rank apart: the tensor-parallel ranks would drop

@@ -25,6 +25,7 @@ from qwen35_fs2.recipes.generation import (
     SpeculativeDecodingSection,
     generation_tokenizer_section,
     validate_response_generator,
+    validate_response_model,
 )
 from qwen35_fs2.recipes.instruction import InstructionSource
 
@@ -75,6 +76,8 @@ class EvalGsm8kConfig:
 
     def validate(self) -> ValidationResult:
         result = ValidationResult()
+
+        result.add_sub_result("model", validate_response_model(self.model))
 
         result.add_sub_result("seq_generator", validate_response_generator(self.seq_generator))
 

@@ -21,6 +21,7 @@ from qwen35_fs2.recipes.generation import (
     SpeculativeDecodingSection,
     generation_tokenizer_section,
     validate_response_generator,
+    validate_response_model,
 )
 
 
@@ -60,6 +61,8 @@ class GenerateConfig:
 
     def validate(self) -> ValidationResult:
         result = ValidationResult()
+
+        result.add_sub_result("model", validate_response_model(self.model))
 
         result.add_sub_result("seq_generator", validate_response_generator(self.seq_generator))
 

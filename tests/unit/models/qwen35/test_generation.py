@@ -161,3 +161,30 @@ class TestIncrementalDecoding:
                     assert hypothesis.step_scores is not None
 
                     torch.testing.assert_close(hypothesis.step_scores[1:], expected, atol=1e-4, rtol=1e-5)
+
+
+def test_compiled_decoding_still_fails_as_the_generation_recipes_assume() -> None:
+    """The generation recipes refuse ``model.compile: true`` because
+    incremental decoding fails under ``torch.compile`` in torch 2.9 (the
+    key-value cache's ``BatchLayout`` inside a compiled layer); when this
+    test fails, decoding compiles and the refusal
+    (:func:`~qwen35_fs2.recipes.generation.validate_response_model`) can go."""
+    from fairseq2.models.transformer_lm import compile_transformer_lm
+
+    model = _make_model()
+
+    _, seqs, layout = _make_prompts()
+
+    vocab_info = VocabularyInfo(size=1024, unk_idx=None, bos_idx=None, eos_idx=1, pad_idx=0)
+
+    generator = SamplingSequenceGenerator(model, vocab_info, TopKSampler(k=1), max_gen_len=4, temperature=1.0)
+
+    # The recipes' compilation, with dynamo alone (the failure is dynamo's).
+    compile_transformer_lm(model, fullgraph=False, dynamic=None, mode="default", backend="eager", options=None)
+
+    try:
+        with pytest.raises(Exception, match="maybe_mark_dynamic"):
+            with torch.no_grad():
+                generator(seqs, layout)
+    finally:
+        torch._dynamo.reset()
