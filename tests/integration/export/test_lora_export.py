@@ -65,11 +65,15 @@ def keep_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(export_cli, "configure_logging", lambda no_rich: None)
 
 
+_VLM_BASE = TinyQwen35Spec(layout="vlm", seed=24)
+"""A base in the released (vision-language) layout."""
+
+
 @pytest.fixture(scope="module")
 def bases(hf_tiny_models: TinyModelCache) -> dict[str, Path]:
-    base, wide = hf_tiny_models.get_many([_BASE, _WIDE_BASE])
+    base, wide, vlm = hf_tiny_models.get_many([_BASE, _WIDE_BASE, _VLM_BASE])
 
-    return {"base": base, "wide": wide}
+    return {"base": base, "wide": wide, "vlm": vlm}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +202,25 @@ def test_merge_is_the_float32_merge_cast_to_the_base_dtype_and_gives_our_logits(
     batch.run()
 
     assert (fairseq2_logits(model) - logits.result()).abs().max().item() <= 2e-5
+
+
+def test_adapter_of_a_vision_language_base_warns_that_vllm_does_not_apply_it(bases: dict[str, Path], lora_run: tuple[Path, Module], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # vLLM serves such a base as its vision-language class, onto which it
+    # loads the adapter's `model.layers.N` keys without applying them.
+    vlm_run = tmp_path / "vlm_run"
+
+    _write_lora_run(bases["vlm"], vlm_run, "qwen35")
+
+    text_run, _ = lora_run
+
+    with caplog.at_level(logging.WARNING, logger="fairseq2"):
+        assert main([str(text_run), str(tmp_path / "text_adapter"), "--adapter"]) == 0
+
+        assert "vllm-project/vllm#48019" not in caplog.text
+
+        assert main([str(vlm_run), str(tmp_path / "vlm_adapter"), "--adapter"]) == 0
+
+    assert f"{bases['vlm']} is a vision-language repository, which vLLM serves as `Qwen3_5ForConditionalGeneration`: vLLM loads this adapter onto it without applying it (vllm-project/vllm#48019)" in caplog.text
 
 
 @pytest.mark.parametrize("flag", ["--adapter", "--merge"])

@@ -256,6 +256,9 @@ def _export_adapter(source: _Source, out_dir: Path, base: HfRepository | None, d
 
         log.info("Exporting the LoRA adapters of {} for {}.", source.description, base.path)
 
+        if base.is_vlm:
+            log.warning("{} is a vision-language repository, which vLLM serves as `{}`: vLLM loads this adapter onto it without applying it (vllm-project/vllm#48019), and transformers loads it onto `AutoModelForCausalLM`. To serve the run with vLLM, export it with `--merge` (docs/export.md, \"Serving with vLLM\").", base.path, base.config.get("architectures", ["?"])[0])  # type: ignore[index]  # fmt: skip
+
     model = _load_lora_model(source, dtype or _checkpoint_dtype(source), read_base=False)
 
     save_peft_adapter(

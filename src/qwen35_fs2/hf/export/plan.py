@@ -17,7 +17,7 @@ from torch import Tensor
 from fairseq2.data_type import DataType
 from fairseq2.logging import log
 
-from qwen35_fs2.hf.config import qwen35_config_from_hf
+from qwen35_fs2.hf.config import VISION_PROCESSOR_FILES, qwen35_config_from_hf
 from qwen35_fs2.hf.export.config import build_hf_config
 from qwen35_fs2.hf.export.repository import EXPORT_DTYPES, VLM_TEXT_PREFIX, HfExportError, HfRepository, numel
 from qwen35_fs2.hf.export.tensors import lay_out_experts, to_hg_state_dict
@@ -53,12 +53,6 @@ _COPIED_FILES: Final = (
     "LICENSE",
     "LICENSE.txt",
     "NOTICE",
-)
-
-_VISION_FILES: Final = (
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "processor_config.json",
 )
 
 # The fields of `Qwen35Config` that decide tensor shapes and the layer
@@ -255,6 +249,9 @@ def plan_hf_export(
     generation_config = None
 
     copied_files = [] if base is None else _files_to_copy(base.path, vision=is_vlm)
+
+    if is_vlm and base is not None and not any(f.name == "preprocessor_config.json" for f in copied_files):
+        log.warning("{} holds no preprocessor_config.json: the export is a vision-language repository (`{}`) without its image processor, which transformers' AutoProcessor cannot build and vLLM reads at start-up for this architecture. Copy the processor files of the base's Hugging Face repository ({}) into the export, or export with `--text-only`.", base.path, doc["architectures"][0], ", ".join(VISION_PROCESSOR_FILES))  # type: ignore[index]  # fmt: skip
 
     base_has_tokenizer = base is not None and holds_tokenizer(base.path)
 
@@ -561,6 +558,6 @@ def holds_tokenizer(path: Path) -> bool:
 
 
 def _files_to_copy(path: Path, *, vision: bool) -> list[Path]:
-    names = _COPIED_FILES + (_VISION_FILES if vision else ())
+    names = _COPIED_FILES + (VISION_PROCESSOR_FILES if vision else ())
 
     return [path / name for name in names if (path / name).is_file()]

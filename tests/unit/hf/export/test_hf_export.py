@@ -404,6 +404,39 @@ class TestPlanHfExport:
         assert plan.config["mtp_num_hidden_layers"] == 1
         assert [f.name for f in plan.copied_files] == ["generation_config.json", "tokenizer.json", "chat_template.jinja"]
 
+    def test_warns_when_a_vision_language_export_lacks_the_image_processor(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        import logging
+
+        config = _untied_tiny_config()
+
+        _make_vlm_base(tmp_path / "base", config)
+
+        base = HfRepository.open(tmp_path / "base")
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            plan_hf_export(_state_dict(config), config, base=base)
+
+            plan_hf_export(_state_dict(config), config, base=base, text_only=True)
+
+        assert "preprocessor_config.json" not in caplog.text
+
+        (tmp_path / "base" / "preprocessor_config.json").unlink()
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            plan = plan_hf_export(_state_dict(config), config, base=base)
+
+        assert plan.config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+
+        assert f"{base.path} holds no preprocessor_config.json: the export is a vision-language repository (`Qwen3_5ForConditionalGeneration`) without its image processor" in caplog.text
+
+        # A text-only export has no processor.
+        caplog.clear()
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            plan_hf_export(_state_dict(config), config, base=base, text_only=True)
+
+        assert "preprocessor_config.json" not in caplog.text
+
     def test_ships_the_given_tokenizer_when_the_base_holds_none(self, tmp_path: Path) -> None:
         # fairseq2's download of a Hub model: its weights and config alone.
         config = _untied_tiny_config()
