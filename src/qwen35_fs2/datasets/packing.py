@@ -1,8 +1,10 @@
 """Packing of tokenized documents into fixed-width 1-D batches.
 
 A packed batch is fairseq2's ``SequenceBatch(seqs, seq_lens, packed=True)``:
-``seqs`` is 1-D of a fixed width ``max_num_tokens + 1`` (the extra token is
-the target of the last input after ``as_auto_regressive()``), and each entry
+``seqs`` is 1-D of ``max_num_tokens + 1`` tokens (the extra token is the
+target of the last input after ``as_auto_regressive()``), fewer in the last,
+partial batch of an epoch, which is not padded (fairseq2's flash attention
+takes no padded batch, and pads would cost compute); each entry
 of ``seq_lens`` is a *segment*, which attention and Gated DeltaNet treat as an
 independent sequence. Documents are laid end to end; a document longer than
 ``max_seq_len``, or than the space left in a batch, is split, and, as in
@@ -10,8 +12,8 @@ fairseq2's ``DataPipelineBuilder.pack``, the continuation segment starts with
 the last token of the segment before it, so that the prediction of every
 token from its predecessor survives the split.
 
-Targets: ``target_mask`` is ``False`` at the first position of every segment
-and on the padded tail. A segment's first token is either the first token of
+Targets: ``target_mask`` is ``False`` at the first position of every
+segment. A segment's first token is either the first token of
 a document, which nothing in its own document predicts, or the repeated last
 token of a split. The masked loss thus trains each next-token prediction
 inside a document exactly once, and never one across documents. Pass
@@ -38,14 +40,12 @@ class DocumentPacker:
         batch_width: int,
         max_seq_len: int,
         *,
-        pad_value: int = 0,
         pin_memory: bool = False,
     ) -> None:
         """
-        :param batch_width: The number of tokens of a batch, ``max_num_tokens +
-            1``.
+        :param batch_width: The number of tokens of a full batch,
+            ``max_num_tokens + 1``.
         :param max_seq_len: The maximum length of a segment.
-        :param pad_value: The token of the padded tail of a last, partial batch.
         :param pin_memory: If ``True``, batches are in pinned memory (only
             useful, and only possible, with CUDA).
         """
@@ -57,7 +57,6 @@ class DocumentPacker:
 
         self._batch_width = batch_width
         self._max_seq_len = max_seq_len
-        self._pad_value = pad_value
         self._pin_memory = pin_memory
 
         self._segments: list[Tensor] = []
@@ -97,23 +96,16 @@ class DocumentPacker:
         return end - 1
 
     def take(self) -> SequenceBatch:
-        """Returns the current batch, padded to the batch width if it is not
-        full, and starts a new one."""
+        """Returns the current batch, of fewer tokens than the batch width if
+        it is not full, and starts a new one."""
         if not self._segments:
             raise ValueError("The current batch must have at least one segment, but is empty.")  # fmt: skip
 
         seq_lens = [int(segment.size(0)) for segment in self._segments]
 
-        padding = self._batch_width - self._num_tokens
-
         seqs = torch.cat(self._segments)
 
-        if padding > 0:
-            seqs = torch.cat([seqs, seqs.new_full((padding,), self._pad_value)])
-
-        target_mask = torch.ones(self._batch_width, dtype=torch.bool)
-
-        target_mask[self._num_tokens :] = False
+        target_mask = torch.ones(self._num_tokens, dtype=torch.bool)
 
         seg_begin = 0
 

@@ -38,7 +38,8 @@ Semantics of the reader:
   An epoch without a single batch on some rank is an error (the dataset is
   too small), not an endless series of empty epochs. Packing does not cross
   epochs: the last partial batch of an epoch is dropped or, with
-  ``drop_remainder=False``, padded. :meth:`PretrainingReader.reset` starts the
+  ``drop_remainder=False``, returned as it is, shorter than the others (not
+  padded). :meth:`PretrainingReader.reset` starts the
   next epoch: the same row groups again, in a new order (the same order with
   ``shuffle=False``), and logs it. fairseq2's trainer calls it at the end of
   each epoch, its validator after each validation (a reset before the first
@@ -164,7 +165,7 @@ class PretrainingDataset:
         :param shuffle: If ``False``, row groups and rows are read in file
             order (for validation).
         :param drop_remainder: If ``False``, the last partial batch of an epoch
-            is padded instead of dropped.
+            is returned, shorter than the others, instead of dropped.
         :param max_num_batches: If not ``None``, each epoch ends after this
             many batches on every rank (for bounded validation).
         :param prefetch: The number of batches prepared ahead in a background
@@ -192,8 +193,6 @@ class PretrainingDataset:
                 f"The tokenizer's default mode must end each document with its EOS token, but appends {None if suffix is None else suffix.tolist()} instead (EOS index: {vocab_info.eos_idx})."
             )
 
-        pad_value = vocab_info.pad_idx if vocab_info.pad_idx is not None else 0
-
         return PretrainingReader(
             row_groups,
             encoder,
@@ -208,7 +207,6 @@ class PretrainingDataset:
             max_num_batches=max_num_batches,
             prefetch=prefetch,
             sync_mode=sync_mode,
-            pad_value=pad_value,
             pin_memory=gangs.dp.device.type == "cuda",
             tokenizer_id=f"vocab_size={vocab_info.size},eos_idx={vocab_info.eos_idx}",
         )
@@ -367,7 +365,6 @@ class PretrainingReader(DataReader[SequenceBatch]):
         max_num_batches: int | None = None,
         prefetch: int = 4,
         sync_mode: SyncMode = SyncMode.UNTIL_FIRST,
-        pad_value: int = 0,
         pin_memory: bool = False,
         tokenizer_id: str = "",
     ) -> None:
@@ -416,7 +413,6 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._max_num_batches = max_num_batches
         self._prefetch = prefetch
         self._sync_mode = sync_mode
-        self._pad_value = pad_value
         self._pin_memory = pin_memory
 
         # Everything the batch stream depends on, except the file contents.
@@ -441,11 +437,6 @@ class PretrainingReader(DataReader[SequenceBatch]):
         self._eod = False
         self._source: _BatchSource | None = None
         self._source_finalizer: weakref.finalize[[], PretrainingReader] | None = None
-
-    @property
-    def pad_value(self) -> int:
-        """The token that pads the last, partial batch of an epoch."""
-        return self._pad_value
 
     @property
     def files(self) -> list[Path]:
@@ -574,7 +565,6 @@ class PretrainingReader(DataReader[SequenceBatch]):
         packer = DocumentPacker(
             self._batch_width,
             self._max_seq_len,
-            pad_value=self._pad_value,
             pin_memory=self._pin_memory,
         )
 

@@ -73,7 +73,7 @@ class TestDocumentPacker:
         rebuilt: list[list[int]] = []
 
         for idx, batch in enumerate(batches):
-            assert batch.seqs.shape == (batch_width,)
+            assert batch.seqs.shape == (sum(batch.seq_lens),)
 
             if idx < len(batches) - 1:
                 assert sum(batch.seq_lens) == batch_width
@@ -132,22 +132,26 @@ class TestDocumentPacker:
 
         assert pairs == expected
 
-    def test_take_pads_a_partial_batch_and_masks_the_padding(self) -> None:
-        packer = DocumentPacker(8, 8, pad_value=99)
+    def test_take_returns_a_partial_batch_unpadded(self) -> None:
+        # fairseq2's flash attention takes no padded batch.
+        packer = DocumentPacker(8, 8)
 
         packer.append(torch.tensor([1, 2, 3]))
+        packer.append(torch.tensor([4, 5]))
 
         batch = packer.take()
 
-        assert batch.seqs.tolist() == [1, 2, 3, 99, 99, 99, 99, 99]
-        assert batch.seq_lens == [3]
-        assert batch.padding == 5
+        assert batch.seqs.tolist() == [1, 2, 3, 4, 5]
+        assert batch.seq_lens == [3, 2]
+        assert batch.padding == 0
         assert batch.target_mask is not None
-        assert batch.target_mask.tolist() == [False, True, True] + [False] * 5
+        assert batch.target_mask.tolist() == [False, True, True, False, True]
 
         seqs, layout = batch.as_input()
 
-        assert layout.position_indices.tolist() == [0, 1, 2, -1, -1, -1, -1, -1]
+        assert layout.packed and not layout.padded
+
+        assert layout.position_indices.tolist() == [0, 1, 2, 0, 1]
 
     def test_append_raises_error_when_batch_is_full(self) -> None:
         packer = DocumentPacker(2, 2)

@@ -71,7 +71,11 @@ class PretrainRecipe(LMTrainingRecipe):
                 hint="Give `valid` other paths, or other `hf_allow_patterns`.",
             )
 
-            valid_reader = IdleBatchReader(valid_batches, valid_batches.pad_value)
+            # Idle batches have no target: any token will do, and the reader
+            # checked that the tokenizer has an EOS token.
+            assert tokenizer.vocab_info.eos_idx is not None
+
+            valid_reader = IdleBatchReader(valid_batches, tokenizer.vocab_info.eos_idx)
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
