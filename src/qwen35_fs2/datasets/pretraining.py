@@ -236,6 +236,8 @@ def _resolve_files_on_gangs(
     files: list[Path] = []
 
     if gangs.root.rank == 0:
+        log.info("Rank 0 resolves {} (files {}) in the Hugging Face cache, downloading what it lacks, while the other ranks wait for up to `gang.timeout`; download large datasets beforehand (docs/slurm.md, \"The first run on a cold Hugging Face cache\").", ", ".join(map(str, paths)), list(hf_allow_patterns))  # fmt: skip
+
         try:
             files = resolve_parquet_files(paths, hf_allow_patterns=hf_allow_patterns)
         except Exception as ex:
