@@ -19,7 +19,9 @@ Semantics of the reader:
   ``tokenizer.create_encoder(mode="default")``, which appends the tokenizer's
   EOS: configure the Qwen3.5 tokenizer with ``eos_token: <|endoftext|>`` for
   pretraining. Empty and whitespace-only texts are skipped, with a logged
-  count; a null text is an error naming its file and row.
+  count; a null text is an error naming its file and row. A text that holds
+  the EOS token's string is encoded with the token inside it, as
+  transformers' tokenizers do, and counted in a warning.
 - **Sharding.** The unit of work is a parquet row group. Each epoch, the row
   groups are shuffled (``seed`` and the epoch number) and dealt to the ranks
   of ``gangs.dp``, each to the rank with the fewest text bytes so far, so
@@ -728,6 +730,11 @@ def _produce_batches(
 ) -> Generator[_BatchAndCursor, None, None]:
     """Yields the batches of an epoch from ``start`` on, each with the cursor
     of the batch after it."""
+    # The EOS the encoder appends (checked when the reader was made).
+    suffix = encoder.suffix_indices
+
+    eos_idx = None if suffix is None else int(suffix[-1])
+
     for unit_idx in range(start.unit, len(plan)):
         unit = plan[unit_idx]
 
@@ -738,7 +745,7 @@ def _produce_batches(
         if unit.row_seed is not None:
             random.Random(unit.row_seed).shuffle(order)
 
-        num_skipped = 0
+        num_skipped = num_inner_eos = 0
 
         for row in range(start.row if unit_idx == start.unit else 0, len(order)):
             text = texts[order[row]]
@@ -749,6 +756,9 @@ def _produce_batches(
                 continue
 
             tokens = encoder(text)
+
+            if eos_idx is not None and bool((tokens[:-1] == eos_idx).any()):
+                num_inner_eos += 1
 
             offset: int | None = 0
             if unit_idx == start.unit and row == start.row:
@@ -769,6 +779,9 @@ def _produce_batches(
 
         if num_skipped > 0:
             log.warning("Skipped {} empty or whitespace-only document(s) in row group {} of {}.", num_skipped, unit.row_group.index, unit.row_group.file)  # fmt: skip
+
+        if num_inner_eos > 0:
+            log.warning("{} document(s) in row group {} of {} hold the end-of-document token {} inside their text (e.g. a page quoting `<|endoftext|>`), which the tokenizer encodes as the token itself, as transformers' does: the model is trained to go on writing after it within the document. Filter such documents out of the data if that is not wanted.", num_inner_eos, unit.row_group.index, unit.row_group.file, eos_idx)  # fmt: skip
 
     if not drop_remainder and not packer.is_empty:
         yield packer.take(), _Cursor(len(plan), 0, 0)

@@ -726,6 +726,37 @@ class TestPretrainingReader:
         assert [decoder(torch.tensor(d[:-1])) for d in documents] == _file_order_texts(files)  # fmt: skip
 
 
+    @pytest.mark.slow
+    def test_documents_holding_the_end_of_document_token_are_counted_in_a_warning(self, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+        from qwen35_fs2.models.qwen35.tokenizer import (
+            Qwen35TokenizerConfig,
+            get_qwen35_tokenizer_dir,
+            load_qwen35_tokenizer,
+        )
+
+        tokenizer = load_qwen35_tokenizer(
+            get_qwen35_tokenizer_dir(), Qwen35TokenizerConfig(eos_token="<|endoftext|>")
+        )
+
+        # Web pages about language models quote the token.
+        texts = ["GPT-2 separates documents with <|endoftext|> in its data.", "A plain page.", "<|endoftext|>"]
+
+        pq.write_table(pa.table({"text": texts}), tmp_path.joinpath("a.parquet"))
+
+        reader = PretrainingDataset([tmp_path]).create_reader(
+            tokenizer, fake_gangs(0, 1), max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False  # fmt: skip
+        )
+
+        with caplog.at_level(logging.WARNING, logger="fairseq2"):
+            [[batch]] = _read_all(reader)
+
+        # Encoded as transformers encodes them: the token inside the first.
+        assert (batch.seqs[: batch.seq_lens[0] - 1] == 248044).sum() == 1
+
+        # The first and the last.
+        assert f"2 document(s) in row group 0 of {tmp_path.joinpath('a.parquet')} hold the end-of-document token 248044 inside their text" in caplog.text  # fmt: skip
+
+
 class TestHubDownloadAcrossRanks:
     """``hg://`` sources: rank 0 downloads, then the others read the cache."""
 
