@@ -313,6 +313,23 @@ class TestQwen35MoeBlock:
         assert grad[0].abs().sum() > 0 and grad[1:].abs().sum() == 0
 
 
+    @pytest.mark.parametrize("dispatch", ["batched", "loop"])
+    def test_a_block_without_tokens_gives_an_empty_output_and_no_expert_gradient(self, dispatch: ExpertDispatch) -> None:
+        block = _make_block(dispatch=dispatch)
+
+        seqs = torch.randn(0, MODEL_DIM, requires_grad=True)
+
+        output = block(seqs)
+
+        assert output.shape == (0, MODEL_DIM)
+
+        torch.autograd.backward(output.sum())
+
+        grad = block.experts.gate_inner_proj.grad
+
+        assert grad is None or grad.abs().sum() == 0
+
+
 class TestRoutedExperts:
     @pytest.mark.parametrize("init_fn", [None, _normal], ids=["default", "init_fn"])
     def test_reset_parameters_keeps_the_held_experts_of_the_whole_draw(self, init_fn: object) -> None:

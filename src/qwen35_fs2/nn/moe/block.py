@@ -147,7 +147,7 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         # (T, 1, K) @ (T, K, M) -> (T, M)
         routed = torch.bmm(
             top_weights.to(expert_outputs.dtype).unsqueeze(1),
-            expert_outputs.view(num_tokens, top_k, -1),
+            expert_outputs.view(num_tokens, top_k, expert_outputs.size(-1)),
         ).squeeze(1)
 
         if self.tp_gang.size > 1:
