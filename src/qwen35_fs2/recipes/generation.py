@@ -357,7 +357,7 @@ def _create_speculative_decoder(
             "`model` must have an MTP head (`mtp_num_layers: 1`, as the released checkpoints) when `speculative_decoding.enabled` is `True`, but has none."
         )
 
-    return GreedyDecoder(model, tokenizer.vocab_info, max_gen_len=config.max_gen_len, mtp=mtp, stop_indices=get_stop_indices(tokenizer))
+    return GreedyDecoder(model, tokenizer.vocab_info, max_gen_len=config.max_gen_len, max_seq_len=config.max_seq_len, mtp=mtp, stop_indices=get_stop_indices(tokenizer))
 
 
 def create_prompt_reader(

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import final
+from typing import cast, final
 
 import torch
 from torch import Tensor
@@ -89,10 +89,14 @@ class GreedyDecoder:
         vocab_info: VocabularyInfo,
         *,
         max_gen_len: int,
+        max_seq_len: int | None = None,
         mtp: Qwen35MultiTokenPredictor | None = None,
         stop_indices: Collection[int] = (),
     ) -> None:
         """
+        :param max_seq_len: The most tokens of a prompt and its response, as
+            fairseq2's generators take it (capped by the model's
+            ``max_seq_len``); ``None`` for the model's.
         :param stop_indices: Tokens that end a response besides the
             end-of-sequence token.
         """
@@ -115,6 +119,10 @@ class GreedyDecoder:
         self._stop_indices = frozenset([vocab_info.eos_idx, *stop_indices])
         self._pad_idx = vocab_info.pad_idx
         self._max_gen_len = max_gen_len
+
+        model_max_seq_len = cast(int, model.max_seq_len)
+
+        self._max_seq_len = model_max_seq_len if max_seq_len is None else min(max_seq_len, model_max_seq_len)
 
         # The modules that keep an incremental state, to save and restore it.
         self._stateful = [
@@ -226,11 +234,11 @@ class GreedyDecoder:
                 f"`prompt` must be a non-empty one-dimensional tensor, but is of shape {tuple(prompt.shape)} instead."
             )
 
-        room = self._model.max_seq_len - prompt.numel()
+        room = self._max_seq_len - prompt.numel()
 
         if room < 1:
             raise ValueError(
-                f"The length of `prompt` must be less than the model's `max_seq_len` ({self._model.max_seq_len}), but is {prompt.numel()} instead."
+                f"The length of `prompt` must be less than `max_seq_len` ({self._max_seq_len}), but is {prompt.numel()} instead."
             )
 
         return min(self._max_gen_len, room)

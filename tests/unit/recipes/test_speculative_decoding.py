@@ -216,8 +216,23 @@ class TestBadInput:
 
         decoder = GreedyDecoder(model, _VOCAB_INFO, max_gen_len=4, mtp=_get_mtp(model))
 
-        with pytest.raises(ValueError, match=r"length of `prompt` must be less than the model's `max_seq_len` \(2048\), but is 2048 instead"):
+        with pytest.raises(ValueError, match=r"length of `prompt` must be less than `max_seq_len` \(2048\), but is 2048 instead"):
             decoder.speculative(torch.ones(2048, dtype=torch.int64))
+
+    def test_takes_the_generator_configs_max_seq_len_below_the_models(self) -> None:
+        # As fairseq2's generators: a prompt of 12 tokens leaves room for 3
+        # with `max_seq_len` 15, and none with 12.
+        model = _make_model("dense")
+
+        decoder = GreedyDecoder(model, _VOCAB_INFO, max_gen_len=8, max_seq_len=15, mtp=_get_mtp(model))
+
+        prompt = torch.arange(2, 14)
+
+        assert decoder.plain(prompt).tokens.numel() == 3
+        assert decoder.speculative(prompt).tokens.numel() == 3
+
+        with pytest.raises(ValueError, match=r"length of `prompt` must be less than `max_seq_len` \(15\), but is 15 instead"):
+            decoder.speculative(torch.arange(2, 17))
 
     def test_rejects_a_max_gen_len_below_one(self) -> None:
         with pytest.raises(ValueError, match=r"`max_gen_len` must be greater than or equal to 1, but is 0 instead"):
