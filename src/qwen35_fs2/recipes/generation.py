@@ -177,12 +177,12 @@ class ResponseBudget:
     fairseq2 0.8.1's generators give a batch ``max_gen_len`` tokens after
     its *longest* prompt (capped at ``max_seq_len``), the last one forced to
     the end token. :class:`ResponseUnit` generates each prompt with prompts
-    of its own length only, so that this is the prompt's own allowance; the
-    speculative decoder, which decodes a prompt at a time, is capped by the
-    model's ``max_seq_len`` alone. Every response is cut to the tokens its
-    prompt gets as the longest of its batch, less the forced end token, so
-    that both paths give the same; one without an end token in them is
-    *truncated*, and recorded as such.
+    of its own length only, so that this is the prompt's own allowance, as
+    it is for the speculative decoder, which decodes a prompt at a time.
+    Every response is cut to the tokens its prompt gets as the longest of
+    its batch, less the forced end token (the speculative decoder forces
+    none), so that both paths give the same; one without an end token in
+    them is *truncated*, and recorded as such.
     """
 
     max_gen_len: int | tuple[float, int]
