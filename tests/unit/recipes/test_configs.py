@@ -80,34 +80,27 @@ class TestBadConfigs:
         assert "`paths` must hold existing files or directories, or URIs, but /no/such/shards does not exist." in output
 
     @pytest.mark.parametrize(("recipe", "config"), [("eval_gsm8k", "qwen35_tiny_gsm8k_eval_cpu.yaml"), ("generate", None)])
-    def test_a_generator_echoing_the_prompt_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str, config: str | None) -> None:
-        # With the prompt echoed, records and scores would read the chat
-        # prompt as part of the response.
+    @pytest.mark.parametrize(
+        ("override", "error"),
+        [
+            # With the prompt echoed, records and scores would read the chat
+            # prompt as part of the response.
+            ("seq_generator.config.echo_prompt=true", "`seq_generator` is not valid: `config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead."),
+            # Incremental decoding fails under torch.compile (pinned in
+            # tests/unit/models/qwen35/test_generation.py).
+            ("model.compile=true", "`model` is not valid: `compile` must be `False`, since incremental decoding does not run under `torch.compile` (torch 2.9), but is `True` instead."),
+        ],
+    )
+    def test_a_response_recipe_refuses_a_setting_it_cannot_honour_with_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str, config: str | None, override: str, error: str) -> None:
         config_args = [] if config is None else ["--config", str(RECIPES_DIR / config)]
 
-        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), *config_args, "--no-rich", "--set", "seq_generator.config.echo_prompt=true")
+        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), *config_args, "--no-rich", "--set", override)
 
         assert returncode == 2, output
 
         last_line = output.strip().splitlines()[-1]
 
-        assert "`seq_generator` is not valid: `config.echo_prompt` must be `False`, since the responses are recorded and scored without their prompt, but is `True` instead." in last_line, last_line
-
-        assert not (tmp_path / "out").exists()
-
-    @pytest.mark.parametrize(("recipe", "config"), [("eval_gsm8k", "qwen35_tiny_gsm8k_eval_cpu.yaml"), ("generate", None)])
-    def test_a_compiled_model_is_a_clear_error(self, capfd: pytest.CaptureFixture[str], tmp_path: Path, recipe: str, config: str | None) -> None:
-        # Incremental decoding fails under torch.compile (pinned in
-        # tests/unit/models/qwen35/test_generation.py).
-        config_args = [] if config is None else ["--config", str(RECIPES_DIR / config)]
-
-        returncode, output = run_fairseq2(capfd, "lm", recipe, str(tmp_path / "out"), *config_args, "--no-rich", "--set", "model.compile=true")
-
-        assert returncode == 2, output
-
-        last_line = output.strip().splitlines()[-1]
-
-        assert "`model` is not valid: `compile` must be `False`, since incremental decoding does not run under `torch.compile` (torch 2.9), but is `True` instead." in last_line, last_line
+        assert error in last_line, last_line
 
         assert not (tmp_path / "out").exists()
 
