@@ -156,6 +156,8 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         its ``config.json``, if it is a Hugging Face checkpoint
         (:func:`check_hf_checkpoint_config`)."""
         if isinstance(config, Qwen35Config):
+            _check_not_a_file_of_hf_checkpoint(path)
+
             index = _hf_checkpoint_index(path)
 
             if index is not None:
@@ -170,6 +172,9 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
         sharded_loading = self.sharded_loading
 
         path, config = request.path, request.config
+
+        if isinstance(config, Qwen35Config):
+            _check_not_a_file_of_hf_checkpoint(path)
 
         if sharded_loading is None or not isinstance(config, Qwen35Config) or _hf_checkpoint_index(path) is None:
             return super().load_checkpoint(request)
@@ -233,6 +238,18 @@ def check_hf_checkpoint_config(path: Path, config: Qwen35Config, keys: Collectio
             path,
             f"The model configuration must be the one of the config.json of {path}, but differs in: {', '.join(changes)} (the model's value -> the checkpoint's). "
             "fairseq2 configures a model of `model.path` by `model.arch` and `model.config_overrides` alone: set them to the checkpoint's values, or name the checkpoint by an asset card (`model.name`), whose configuration comes from its config.json.",
+        )
+
+
+def _check_not_a_file_of_hf_checkpoint(path: Path) -> None:
+    """Raises :class:`CorruptModelCheckpointError` if ``path`` is a
+    safetensors file of a Hugging Face checkpoint directory (one with a
+    ``config.json``): fairseq2 loads such a file as it is, so its directory's
+    ``config.json`` would go unchecked (:func:`check_hf_checkpoint_config`)
+    and a sharded checkpoint would be read in part."""
+    if path.is_file() and path.suffix == ".safetensors" and path.parent.joinpath("config.json").is_file():
+        raise CorruptModelCheckpointError(
+            path, f"A Hugging Face checkpoint must be named by its directory ({path.parent}), whose config.json describes it, but {path} is one of its files."
         )
 
 

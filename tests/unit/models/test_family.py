@@ -144,6 +144,21 @@ class TestModelPathConfig:
         with pytest.raises(CorruptModelCheckpointError, match=r"must be the one of the config.json of .*, but differs in: `rope_theta` 10000000.0 -> 1234.0, `rms_norm_eps` 1e-06 -> 0.01 \(the model's value -> the checkpoint's\)"):
             _load(family, tmp_path, tiny_qwen35_config())
 
+    @pytest.mark.parametrize("sharded", [False, True], ids=["rank0", "sharded"])
+    def test_refuses_a_file_of_the_checkpoint_directory(self, tmp_path: Path, sharded: bool) -> None:
+        # fairseq2 loads a safetensors file as it is: its directory's
+        # config.json, here of another rope_theta, would go unchecked.
+        checkpoint_config = tiny_qwen35_config()
+
+        checkpoint_config.rope_theta = 1234.0
+
+        _save_hf_checkpoint(tmp_path, checkpoint_config)
+
+        family = _family(ShardedCheckpointLoading() if sharded else None)
+
+        with pytest.raises(CorruptModelCheckpointError, match=rf"must be named by its directory \({tmp_path}\), whose config.json describes it, but {tmp_path}/model.safetensors is one of its files"):
+            _load(family, tmp_path / "model.safetensors", tiny_qwen35_config())
+
     def test_loads_with_the_checkpoints_config_and_run_settings_of_its_own(self, tmp_path: Path) -> None:
         config = tiny_qwen35_config()
 
