@@ -38,8 +38,10 @@ from qwen35_fs2.recipes.loss import install_chunked_lm_loss
 _PAD_IDX = 0
 
 # Three documents of a packed batch, padded at the end; and a mask of the
-# targets that count (a response of each document, as in SFT).
-_DOCS = [[5, 17, 23, 8, 99, 41], [7, 12, 300, 14], [9, 2, 88, 61, 3, 1000, 6]]
+# targets that count (a response of each document, as in SFT). The last
+# document holds the pad token itself (as SFT data may, spelled out in a
+# response), a target that the loss ignores as the LM loss does.
+_DOCS = [[5, 17, 23, 8, 99, 41], [7, 12, 300, 14], [9, 2, 88, 61, _PAD_IDX, 1000, 6]]
 
 _DOC_MASKS = [[0, 0, 1, 1, 1, 1], [0, 1, 1, 1], [0, 0, 0, 1, 1, 0, 1]]
 
@@ -125,7 +127,8 @@ def _model_mtp_loss(model: TransformerLM, batch: SequenceBatch, chunk_size: int 
 def _expected_mtp_loss(model: TransformerLM, batch: SequenceBatch, masked: bool) -> tuple[Tensor, int]:
     """Walks each document ``d``: at its position ``i`` the head takes the
     trunk's output and the embedding of ``d[i + 1]`` and predicts
-    ``d[i + 2]``; nothing past the document's end counts."""
+    ``d[i + 2]``; nothing past the document's end counts, nor a target that
+    is the model's pad token."""
     input_batch, _ = batch.as_auto_regressive()
 
     seqs, seqs_layout = input_batch.as_input()
@@ -170,7 +173,7 @@ def _expected_mtp_loss(model: TransformerLM, batch: SequenceBatch, masked: bool)
 
     for (row, start), doc, doc_mask in zip(starts, _DOCS, _DOC_MASKS):
         for i in range(len(doc) - 2):
-            if masked and not doc_mask[i + 2]:
+            if (masked and not doc_mask[i + 2]) or doc[i + 2] == model.pad_idx:
                 continue
 
             nll = nll - log_probs[at(row, start + i) + (doc[i + 2],)]
@@ -409,7 +412,7 @@ class TestMtpAcceptance:
 
             # Independently: per document, the head's draft at i (from the
             # trunk at i and d[i + 1]) against the trunk's greedy token at
-            # i + 1, where d[i + 2] is a target.
+            # i + 1, where d[i + 2] is a target (not the pad token).
             input_batch, _ = batch.as_auto_regressive()
 
             seqs, seqs_layout = input_batch.as_input()
@@ -428,7 +431,7 @@ class TestMtpAcceptance:
 
         for doc, doc_mask in zip(_DOCS, _DOC_MASKS):
             for i in range(len(doc) - 2):
-                if doc_mask[i + 2]:
+                if doc_mask[i + 2] and doc[i + 2] != _PAD_IDX:
                     counted += 1
 
                     accepted += int(drafts[start + i] == lm_greedy[start + i + 1])
