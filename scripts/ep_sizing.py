@@ -16,8 +16,9 @@ The MTP head of the released checkpoints (``mtp_num_layers=1``, which
 loading adopts from their config.json, and which the recipes train) is
 counted: its decoder layer as one more layer unit, run after the trunk's,
 and not checkpointed (fairseq2 checkpoints ``decoder.layers`` only). Its
-``fc`` and norms are in the root unit, with the embedding, the output
-projection and the final norm.
+``fc`` and norms are counted with the root unit (the embedding, the output
+projection and the final norm); the FSDP applier puts them in the head's
+own unit, a difference of ``2 M²`` parameters.
 
 Prints markdown tables (as pasted into docs/sharding.md), or with ``--json``
 every number. Example::

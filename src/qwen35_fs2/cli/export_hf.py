@@ -132,7 +132,7 @@ def _create_parser() -> ArgumentParser:
     base.add_argument(
         "--base",
         metavar="HF_DIR_OR_CARD",
-        help="the Hugging Face model the checkpoint was trained from; its vision tower, MTP head, tokenizer and configuration are carried over (default: the model the run started from)",
+        help="the Hugging Face model the checkpoint was trained from; its vision tower, tokenizer, generation defaults and configuration are carried over, and its MTP head where the checkpoint has none or with --keep-base-mtp (default: the model the run started from)",
     )
 
     base.add_argument(
@@ -144,7 +144,7 @@ def _create_parser() -> ArgumentParser:
     parser.add_argument(
         "--tokenizer",
         metavar="DIR_OR_CARD",
-        help="without a base, the Hugging Face tokenizer to ship with the model (default: the one the run trained with)",
+        help="without a base, or with a base that holds no tokenizer, the Hugging Face tokenizer to ship with the model (default: the one the run trained with)",
     )
 
     parser.add_argument(
