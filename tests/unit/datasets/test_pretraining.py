@@ -385,7 +385,8 @@ class TestPretrainingReader:
 
                 assert rows == set(range(len(texts[f][g])))
 
-        # The balancing by bytes keeps the ranks within one row group.
+        # The ranks stay within one row group of each other (the rule itself:
+        # test_row_groups_go_to_the_rank_with_the_fewest_text_bytes_so_far).
         sizes = [
             sum(len(texts[f][g][r].encode()) for f, g, r in documents_of_rank[rank])
             for rank in range(2)
@@ -396,6 +397,27 @@ class TestPretrainingReader:
         )
 
         assert abs(sizes[0] - sizes[1]) <= largest_row_group
+
+    def test_row_groups_go_to_the_rank_with_the_fewest_text_bytes_so_far(self, tmp_path: Path) -> None:
+        # One large row group, then small ones, in file order (no shuffle):
+        # the rank of the large one takes no other, where dealing them in
+        # turn would give each rank three.
+        texts = ["a large document " * 60, "one", "two", "three", "four", "five"]
+
+        pq.write_table(pa.table({"text": texts}), tmp_path.joinpath("a.parquet"), row_group_size=1)
+
+        documents = []
+
+        for rank in range(2):
+            reader = PretrainingDataset([tmp_path]).create_reader(
+                ByteTokenizer(), fake_gangs(rank, 2), max_seq_len=2048, max_num_tokens=2047, shuffle=False, drop_remainder=False  # fmt: skip
+            )
+
+            batches = flatten(_read_all(reader))
+
+            documents.append([bytes(d[:-1]).decode() for d in unpack_documents(batches, BYTE_EOS)])
+
+        assert documents == [texts[:1], texts[1:]]
 
     def test_create_reader_raises_error_when_ranks_outnumber_row_groups(
         self, tmp_path: Path
