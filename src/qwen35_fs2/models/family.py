@@ -173,9 +173,6 @@ class Qwen35ModelFamily(CheckpointLoadingHookFamily):
 
         path, config = request.path, request.config
 
-        if isinstance(config, Qwen35Config):
-            _check_not_a_file_of_hf_checkpoint(path)
-
         if sharded_loading is None or not isinstance(config, Qwen35Config) or _hf_checkpoint_index(path) is None:
             return super().load_checkpoint(request)
 
@@ -242,11 +239,13 @@ def check_hf_checkpoint_config(path: Path, config: Qwen35Config, keys: Collectio
 
 
 def _check_not_a_file_of_hf_checkpoint(path: Path) -> None:
-    """Raises :class:`CorruptModelCheckpointError` if ``path`` is a
-    safetensors file of a Hugging Face checkpoint directory (one with a
-    ``config.json``): fairseq2 loads such a file as it is, so its directory's
-    ``config.json`` would go unchecked (:func:`check_hf_checkpoint_config`)
-    and a sharded checkpoint would be read in part."""
+    """Raises :class:`CorruptModelCheckpointError` if ``path``, a recipe's
+    ``model.path``, is a safetensors file of a Hugging Face checkpoint
+    directory (one with a ``config.json``): fairseq2 loads such a file as it
+    is, so its directory's ``config.json`` would go unchecked
+    (:func:`check_hf_checkpoint_config`) and a sharded checkpoint would be
+    read in part. An asset card may name a file: its configuration comes
+    from the file's directory (:func:`~qwen35_fs2.hf.config.find_checkpoint_hf_config`)."""
     if path.is_file() and path.suffix == ".safetensors" and path.parent.joinpath("config.json").is_file():
         raise CorruptModelCheckpointError(
             path, f"A Hugging Face checkpoint must be named by its directory ({path.parent}), whose config.json describes it, but {path} is one of its files."

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn import Module
 
+from fairseq2.assets import AssetCard
 from fairseq2.device import CPU, META_DEVICE
 from fairseq2.gang import create_fake_gangs
 from fairseq2.model_checkpoint import CorruptModelCheckpointError
@@ -158,6 +159,20 @@ class TestModelPathConfig:
 
         with pytest.raises(CorruptModelCheckpointError, match=rf"must be named by its directory \({tmp_path}\), whose config.json describes it, but {tmp_path}/model.safetensors is one of its files"):
             _load(family, tmp_path / "model.safetensors", tiny_qwen35_config())
+
+    def test_an_asset_card_may_name_a_file_of_the_checkpoint_directory(self, tmp_path: Path) -> None:
+        # Its configuration comes from the file's directory.
+        config = tiny_qwen35_config()
+
+        trained = _save_hf_checkpoint(tmp_path, config)
+
+        family = _family(None)
+
+        card = AssetCard("tiny_file", {"name": "tiny_file", "model_family": "qwen35", "model_arch": "qwen35_tiny", "checkpoint": f"file://{tmp_path}/model.safetensors"})
+
+        model = family.load_model(card, create_fake_gangs(CPU), torch.float32, family.get_model_config(card), load_rank0_only=False, mmap=False)
+
+        _assert_state_dict(model, trained)
 
     def test_loads_with_the_checkpoints_config_and_run_settings_of_its_own(self, tmp_path: Path) -> None:
         config = tiny_qwen35_config()

@@ -71,11 +71,9 @@ class PretrainRecipe(LMTrainingRecipe):
                 hint="Give `valid` other paths, or other `hf_allow_patterns`.",
             )
 
-            # Idle batches have no target: any token will do, and the reader
-            # checked that the tokenizer has an EOS token.
-            assert tokenizer.vocab_info.eos_idx is not None
-
-            valid_reader = IdleBatchReader(valid_batches, tokenizer.vocab_info.eos_idx)
+            # Idle batches have no target: any token will do (pretraining has
+            # no pad token).
+            valid_reader = IdleBatchReader(valid_batches, 0)
 
         check_pretraining_vocabulary(context.get_model_as(TransformerLM), tokenizer)
 
