@@ -115,27 +115,20 @@ VISION_PROCESSOR_FILES: Final = (
 reads at start-up for ``Qwen3_5(Moe)ForConditionalGeneration``."""
 
 
-def _download_hub_file(repo_id: str, filename: str) -> Path:
-    """Returns ``filename`` of the Hub repository ``repo_id`` from the Hub
-    cache, downloading it there only if the cache has no copy.
-
-    :raises EntryNotFoundError: not in the repository, or offline and not in
-        the cache.
-    """
-    try:
-        return Path(hf_hub_download(repo_id, filename, local_files_only=True))
-    except LocalEntryNotFoundError:
-        return Path(hf_hub_download(repo_id, filename))
-
-
 def _download_hub_config(card: AssetCard, uri: Uri) -> Path | None:
     repo_id = str(uri).removeprefix("hg://")
 
     # Every rank asks (there is no gang here): the Hub only when the cache
     # has no copy yet.
     try:
-        config_file = _download_hub_file(repo_id, "config.json")
+        return Path(hf_hub_download(repo_id, "config.json", local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+
+    try:
+        config_file = Path(hf_hub_download(repo_id, "config.json"))
     except EntryNotFoundError as ex:
+        # Not in the repository, or offline and not in the cache.
         log.warning(
             "The config.json of {} cannot be had ({}). The architecture of the {} asset card, its tie flag included, comes from the card alone.",
             uri,
@@ -147,29 +140,34 @@ def _download_hub_config(card: AssetCard, uri: Uri) -> Path | None:
     except HfHubHTTPError as ex:
         raise AssetDownloadError(uri, "Hugging Face Hub returned an error.") from ex
 
-    if "vision_config" in load_hf_config(config_file.parent):
-        _download_hub_processor_files(repo_id)
+    # Downloaded just now, so the Hub answers: a run from the cache makes no
+    # request (a node without network retries each for half a minute).
+    _download_hub_processor_files(repo_id, config_file)
 
     return config_file
 
 
-def _download_hub_processor_files(repo_id: str) -> None:
-    """Downloads the :data:`VISION_PROCESSOR_FILES` of the vision-language
-    repository ``repo_id`` that it has into the Hub cache, beside its
-    ``config.json``: fairseq2 downloads the safetensors alone, and an export
-    of a model trained from it is a vision-language repository too, which
-    transformers and vLLM load only with them (the export copies them from
-    there, and warns where they are missing)."""
-    for filename in VISION_PROCESSOR_FILES:
-        # Cached, or known to be missing from the repository (each has some
-        # of them): nothing to ask the Hub.
-        if try_to_load_from_cache(repo_id, filename) is not None:
-            continue
+def _download_hub_processor_files(repo_id: str, config_file: Path) -> None:
+    """Downloads the :data:`VISION_PROCESSOR_FILES` that the repository
+    ``repo_id`` has, if its ``config_file`` is a vision-language one, into
+    the Hub cache beside it: fairseq2 downloads the safetensors alone, and an
+    export of a model trained from it is a vision-language repository too,
+    which transformers and vLLM load only with them (the export copies them
+    from there, and warns where they are missing)."""
+    try:
+        is_vlm = "vision_config" in load_hf_config(config_file.parent)
+    except ValueError:
+        # Reported, naming the card, when the configuration is read.
+        return
 
+    if not is_vlm:
+        return
+
+    for filename in VISION_PROCESSOR_FILES:
         try:
             hf_hub_download(repo_id, filename)
         except EntryNotFoundError:
-            # Not in the repository, or offline.
+            # Each repository has some of them.
             pass
         except HfHubHTTPError as ex:
             log.warning("The {} of hg://{} cannot be downloaded ({}); an export of a model trained from it will lack it.", filename, repo_id, ex)  # fmt: skip

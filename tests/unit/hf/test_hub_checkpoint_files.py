@@ -18,18 +18,18 @@ from huggingface_hub.errors import EntryNotFoundError
 import qwen35_fs2.hf.config
 from fairseq2.assets import AssetCard
 
-from offline_hub import HUB_COMMIT, add_hub_snapshot, use_offline_hub_cache
+from offline_hub import add_hub_snapshot, use_offline_hub_cache
 from qwen35_fs2.hf.config import VISION_PROCESSOR_FILES, find_checkpoint_hf_config
 
 _REPO = "test-org/tiny"
 
 
-def _snapshot(hub_cache: Path, tmp_path: Path, config: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> Path:
+def _snapshot(hub_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty snapshot of the repository in the cache (its safetensors,
+    which fairseq2 downloads, play no part here)."""
     files_dir = tmp_path / "files"
 
     files_dir.mkdir()
-
-    (files_dir / "config.json").write_text(json.dumps(config))
 
     use_offline_hub_cache(monkeypatch, hub_cache)
 
@@ -38,8 +38,8 @@ def _snapshot(hub_cache: Path, tmp_path: Path, config: dict[str, object], monkey
 
 def _serve(snapshot: Path, files: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Answers the downloads of files that the cache lacks as the Hub would:
-    ``files`` into the snapshot, the others 404, which ``huggingface_hub``
-    records in the cache; returns the names asked for."""
+    ``files`` into the snapshot, the others 404; returns the names asked
+    for."""
     hub_download = qwen35_fs2.hf.config.hf_hub_download
 
     requested: list[str] = []
@@ -53,12 +53,6 @@ def _serve(snapshot: Path, files: dict[str, str], monkeypatch: pytest.MonkeyPatc
         requested.append(filename)
 
         if filename not in files:
-            no_exist = snapshot.parent.parent / ".no_exist" / HUB_COMMIT / filename
-
-            no_exist.parent.mkdir(parents=True, exist_ok=True)
-
-            no_exist.touch()
-
             raise EntryNotFoundError("404 Client Error: Entry Not Found")
 
         (snapshot / filename).write_text(files[filename])
@@ -74,21 +68,23 @@ def _card() -> AssetCard:
     return AssetCard("tiny", {"name": "tiny", "model_family": "qwen35", "model_arch": "qwen35_tiny", "checkpoint": f"hg://{_REPO}"})
 
 
+_VLM_CONFIG = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}, "vision_config": {"model_type": "qwen3_5"}}
+
+
 def test_a_vision_language_checkpoint_brings_the_processor_files_it_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    config = {"model_type": "qwen3_5", "text_config": {"model_type": "qwen3_5_text"}, "vision_config": {"model_type": "qwen3_5"}}
+    snapshot = _snapshot(tmp_path / "hub", tmp_path, monkeypatch)
 
-    snapshot = _snapshot(tmp_path / "hub", tmp_path, config, monkeypatch)
-
-    requested = _serve(snapshot, {"preprocessor_config.json": '{"patch_size": 16}'}, monkeypatch)
+    requested = _serve(snapshot, {"config.json": json.dumps(_VLM_CONFIG), "preprocessor_config.json": '{"patch_size": 16}'}, monkeypatch)
 
     assert find_checkpoint_hf_config(_card()) == snapshot / "config.json"
 
-    # The config came from the cache; each processor file was asked for.
-    assert requested == list(VISION_PROCESSOR_FILES)
+    # With the config, each processor file was asked for.
+    assert requested == ["config.json", *VISION_PROCESSOR_FILES]
 
     assert (snapshot / "preprocessor_config.json").read_text() == '{"patch_size": 16}'
 
-    # Later runs find them in the cache, the missing ones too.
+    # Later runs read the cached config and ask for nothing (a node without
+    # network would retry each request for half a minute).
     requested.clear()
 
     find_checkpoint_hf_config(_card())
@@ -97,10 +93,10 @@ def test_a_vision_language_checkpoint_brings_the_processor_files_it_has(tmp_path
 
 
 def test_a_text_only_checkpoint_asks_for_no_processor_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    snapshot = _snapshot(tmp_path / "hub", tmp_path, {"model_type": "qwen3_5_text"}, monkeypatch)
+    snapshot = _snapshot(tmp_path / "hub", tmp_path, monkeypatch)
 
-    requested = _serve(snapshot, {}, monkeypatch)
+    requested = _serve(snapshot, {"config.json": json.dumps({"model_type": "qwen3_5_text"})}, monkeypatch)
 
     assert find_checkpoint_hf_config(_card()) == snapshot / "config.json"
 
-    assert requested == []
+    assert requested == ["config.json"]
