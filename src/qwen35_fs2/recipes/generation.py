@@ -379,18 +379,20 @@ def create_prompt_reader(
     its hypotheses over the longest prompt's allowance). A prompt's response
     would then depend on the prompts batched with it: on the batch size, on
     the number of ranks. Batched with prompts of its own length only, every
-    prompt gets the response it gets alone. The prompts are batched longest
-    first, up to ``batch_size`` of one length, and the batches dealt to the
-    ranks in turn.
+    prompt gets the allowance and the end-token rule it gets alone (greedy
+    responses are then those of the prompt alone, up to the rounding of
+    batched products; sampled ones draw with their batch). Each rank takes
+    every ``dp.size``-th example from its ``dp.rank``-th, encodes them, and
+    batches them longest first, up to ``batch_size`` of one length.
     """
     encoder = ChatEncoder(tokenizer)
 
-    encoded = [{**example, "indices": encoder.encode_prompt(example["prompt"])} for example in examples]  # fmt: skip
-
     by_length: dict[int, list[dict[str, Any]]] = {}
 
-    for example in encoded:
-        by_length.setdefault(len(example["indices"]), []).append(example)
+    for example in examples[gangs.dp.rank :: gangs.dp.size]:
+        indices = encoder.encode_prompt(example["prompt"])
+
+        by_length.setdefault(len(indices), []).append({**example, "indices": indices})
 
     batches = [
         prompts[idx : idx + batch_size]
@@ -403,7 +405,7 @@ def create_prompt_reader(
     # The generator reads the prompt lengths, not the pad value.
     pad_idx = vocab_info.pad_idx if vocab_info.pad_idx is not None else vocab_info.eos_idx
 
-    builder = read_sequence(batches[gangs.dp.rank :: gangs.dp.size])
+    builder = read_sequence(batches)
 
     builder.map(Collater(pad_value=pad_idx))
 

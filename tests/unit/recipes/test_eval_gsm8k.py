@@ -307,7 +307,7 @@ class TestResponseBudget:
         else:
             assert all(record["truncated"] is True for record in alone)
 
-    def test_prompts_are_batched_by_length_longest_first_and_dealt_to_the_ranks(self, tokenizer: Qwen35Tokenizer) -> None:
+    def test_each_rank_batches_its_prompts_by_length_longest_first(self, tokenizer: Qwen35Tokenizer) -> None:
         encoder = ChatEncoder(tokenizer)
 
         examples = [{"id": str(idx), "prompt": "What is " + "1 + " * n + "1?", "response": ""} for idx, n in enumerate([3, 1, 3, 2, 3, 1])]
@@ -332,8 +332,9 @@ class TestResponseBudget:
         # Of one length each, in the order of the examples within a length.
         assert batches(0, 1) == [["0", "2"], ["4"], ["3"], ["1", "5"]]
 
-        assert batches(0, 2) == [["0", "2"], ["3"]]
-        assert batches(1, 2) == [["4"], ["1", "5"]]
+        # Each rank batches its share: every other example.
+        assert batches(0, 2) == [["0", "2"], ["4"]]
+        assert batches(1, 2) == [["3"], ["1", "5"]]
 
 
 class TestStopTokens:
