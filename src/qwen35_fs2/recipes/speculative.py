@@ -80,7 +80,7 @@ class GreedyDecoder:
     As fairseq2's sequence generators, the decoder never chooses the pad
     token, and it stops after the end-of-sequence token (or any of
     ``stop_indices``) or ``max_gen_len`` tokens, or when the sequence
-    reaches the model's ``max_seq_len``.
+    reaches ``max_seq_len`` (the model's, or a smaller one given).
     """
 
     def __init__(

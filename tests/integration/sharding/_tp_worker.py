@@ -333,10 +333,13 @@ def _compare_runs(reference: TransformerLM, model: TransformerLM, config: Qwen35
 
     expected_logits, expected_loss, expected_mtp_loss = _run(reference, batches)
 
-    fp32_error = max(
-        [FP32_GRADIENT_ERROR_FLOOR]
-        + [_relative_diff(p.grad.double(), p64.grad) for p, p64 in zip(reference.parameters(), reference64.parameters()) if p.grad is not None and p64.grad is not None]
-    )
+    gradients64 = {n: p.grad for n, p in reference64.named_parameters() if p.grad is not None}
+
+    expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+
+    assert gradients64.keys() == expected_gradients.keys()
+
+    fp32_error = max([FP32_GRADIENT_ERROR_FLOOR] + [_relative_diff(g.double(), gradients64[n]) for n, g in expected_gradients.items()])
 
     logits, loss, mtp_loss = _run(model, batches)
 
@@ -347,8 +350,6 @@ def _compare_runs(reference: TransformerLM, model: TransformerLM, config: Qwen35
 
     if mtp_loss is not None and expected_mtp_loss is not None:
         result["mtp_loss_diff"] = _assert_close(mtp_loss, expected_mtp_loss, "MTP loss")
-
-    expected_gradients = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
 
     # Far below what a wrong shard or a missing reduction costs.
     assert fp32_error <= 1e-3, f"The unsharded fp32 gradients are {fp32_error:.3g} from fp64, too far to tell rounding from a wrong shard."

@@ -890,7 +890,7 @@ class TestHubDownloadAcrossRanks:
         monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
 
         # What each rank contributes to the all-gather, as a real gang would
-        # deliver it: rank 0's words first.
+        # deliver it once both have sent theirs.
         sent: dict[int, torch.Tensor] = {}
 
         def create_reader(rank: int) -> PretrainingReader:
@@ -912,10 +912,13 @@ class TestHubDownloadAcrossRanks:
                 ByteTokenizer(), gangs, max_seq_len=64, max_num_tokens=63, shuffle=False, drop_remainder=False  # fmt: skip
             )
 
-        create_reader(0)
+        # Rank 1 first, alone (its own words only): nothing to compare yet.
+        create_reader(1)
 
-        with pytest.raises(DataReadError, match=r"rank\(s\) \[1\] found other ones than rank 0 \(rank 0: 2 file\(s\), 4 row group\(s\); rank 1: 1 file\(s\), 2 row group\(s\)\)"):  # fmt: skip
-            create_reader(1)
+        # Both ranks then see both ranks' words, and both stop.
+        for rank in (0, 1):
+            with pytest.raises(DataReadError, match=r"rank\(s\) \[1\] found other ones than rank 0 \(rank 0: 2 file\(s\), 4 row group\(s\); rank 1: 1 file\(s\), 2 row group\(s\)\)"):  # fmt: skip
+                create_reader(rank)
 
         # With the whole download in its cache, rank 1 reads.
         partial.joinpath("data", "b.parquet").write_bytes(snapshot.joinpath("data", "b.parquet").read_bytes())  # fmt: skip

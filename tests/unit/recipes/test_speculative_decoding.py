@@ -221,7 +221,7 @@ class TestBadInput:
 
     def test_takes_the_generator_configs_max_seq_len_below_the_models(self) -> None:
         # As fairseq2's generators: a prompt of 12 tokens leaves room for 3
-        # with `max_seq_len` 15, and none with 12.
+        # with `max_seq_len` 15, and one of 15 none.
         model = _make_model("dense")
 
         decoder = GreedyDecoder(model, _VOCAB_INFO, max_gen_len=8, max_seq_len=15, mtp=_get_mtp(model))
