@@ -32,6 +32,7 @@ from fairseq2.nn import (
 from fairseq2.ops import repeat_interleave
 from fairseq2.ops.tensor_parallel import gather, reduce_on_backward
 
+from qwen35_fs2.compat.attention_mask import run_sdpa
 from qwen35_fs2.nn.lora import LoraAdapter
 from qwen35_fs2.nn.tp import (
     call_with_tp_summed_gradients,
@@ -216,7 +217,7 @@ class Qwen35Attention(MultiheadAttention):
             v = repeat_interleave(v, dim=-2, repeat=self.num_query_groups)
 
         # (N, S, H, K_h)
-        attns, _ = self.sdpa(q, seqs_layout, k, keys_layout, v, bias_cache)
+        attns = run_sdpa(self.sdpa, q, seqs_layout, k, keys_layout, v, bias_cache)
 
         del q, k, v
 

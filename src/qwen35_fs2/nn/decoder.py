@@ -11,10 +11,10 @@ from torch import Tensor
 from torch.nn import Module, ModuleList
 from typing_extensions import override
 
-from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.models.transformer_lm import TransformerLMDecoder
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
+from qwen35_fs2.compat.attention_mask import make_attention_bias_cache
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
 from qwen35_fs2.nn.moe.statistics import MoeStatistics, MoeStatisticsRecorder
@@ -56,7 +56,9 @@ class Qwen35Decoder(TransformerLMDecoder):
         *,
         state_bag: IncrementalStateBag | None = None,
     ) -> Tensor:
-        attn_bias_cache = AttentionBiasCache()
+        attn_bias_cache = make_attention_bias_cache(
+            self.layers, seqs, seqs_layout, incremental=state_bag is not None
+        )
 
         varlen = None
 

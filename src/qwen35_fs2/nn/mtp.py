@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 from torch.nn import Module, ModuleList
 
-from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm, Projection
 
+from qwen35_fs2.compat.attention_mask import make_attention_bias_cache
 from qwen35_fs2.nn.decoder_layer import Qwen35DecoderLayer
 
 
@@ -149,7 +149,9 @@ class Qwen35MultiTokenPredictor(Module):
 
         seqs = self.fc(seqs)
 
-        attn_bias_cache = AttentionBiasCache()
+        attn_bias_cache = make_attention_bias_cache(
+            self.layers, seqs, seqs_layout, incremental=state_bag is not None
+        )
 
         for layer in self.layers:
             seqs = layer(seqs, seqs_layout, attn_bias_cache, state_bag=state_bag)

@@ -28,13 +28,18 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import Tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.nn import Module
 
 from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.models.transformer_lm import TransformerLM
+from fairseq2.models.utils.ac import apply_layerwise_ac
 from fairseq2.nn import BatchLayout
 
+from qwen35_fs2.compat.attention_mask import make_attention_bias_cache
 from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count
+from qwen35_fs2.models.qwen35 import create_qwen35_model
+from qwen35_fs2.models.qwen35.config import tiny_qwen35_config
 from qwen35_fs2.models.qwen35_moe import create_qwen35_moe_model
 from qwen35_fs2.models.qwen35_moe.config import tiny_qwen35_moe_config
 from qwen35_fs2.nn import collect_moe_statistics
@@ -174,15 +179,24 @@ def test_gated_deltanet_layer_compiles_like_eager(kind: str) -> None:
     _assert_compiles_like_eager(layer, step, layout)
 
 
-def test_gated_attention_layer_compiles_like_eager() -> None:
+def _bias_cache(module: Module, layout: BatchLayout) -> AttentionBiasCache:
+    """The bias cache the decoder makes for ``module``'s layers, before the
+    compiled part (with the mask of a packed or padded batch)."""
+    return make_attention_bias_cache(module, torch.zeros(()), layout, incremental=False)
+
+
+@pytest.mark.parametrize("kind", ["regular", "padded", "packed"])
+def test_gated_attention_layer_compiles_like_eager(kind: str) -> None:
     attention = _make_model().decoder.layers[3].self_attn
 
     assert attention is not None
 
-    layout = _layout("regular")
+    layout = _layout(kind)
+
+    bias_cache = _bias_cache(attention, layout)
 
     def step(module: Module, x: Tensor, _: MoeStatisticsRecorder) -> Tensor:
-        y: Tensor = module(x, layout, x, layout, x, AttentionBiasCache())
+        y: Tensor = module(x, layout, x, layout, x, bias_cache)
 
         return y
 
@@ -203,22 +217,57 @@ def test_moe_block_compiles_like_eager(kind: str) -> None:
     _assert_compiles_like_eager(block, step, layout)
 
 
-def test_decoder_layers_compile_like_eager() -> None:
+@pytest.mark.parametrize("kind", ["regular", "packed"])
+def test_decoder_layers_compile_like_eager(kind: str) -> None:
     layers = _make_model().decoder.layers
 
     assert layers[0].linear_attn is not None and layers[3].self_attn is not None
 
     pair = torch.nn.ModuleList([layers[0], layers[3]])
 
-    layout = _layout("regular")
+    layout = _layout(kind)
+
+    bias_cache = _bias_cache(pair, layout)
 
     def step(module: Module, x: Tensor, recorder: MoeStatisticsRecorder) -> Tensor:
         for layer in module.children():
-            x = layer(x, layout, AttentionBiasCache(), moe_statistics=recorder)
+            x = layer(x, layout, bias_cache, moe_statistics=recorder)
 
         return x
 
     _assert_compiles_like_eager(pair, step, layout)
+
+
+def test_checkpointed_dense_attention_layer_compiles_on_a_packed_batch() -> None:
+    # fairseq2's layerwise activation checkpointing wraps the layer before it
+    # is compiled; a graph break inside the checkpoint would run the whole
+    # layer eagerly (and `fullgraph=True` raises).
+    torch.manual_seed(0)
+
+    config = tiny_qwen35_config()
+
+    config.gdn_backend = "torch"
+
+    layers = create_qwen35_model(config).train().decoder.layers
+
+    attn_idx = next(idx for idx, layer in enumerate(layers) if layer.self_attn is not None)
+
+    checkpointed = torch.nn.ModuleList([layers[attn_idx]])
+
+    apply_layerwise_ac(checkpointed, every_nth_layer=1)
+
+    assert isinstance(checkpointed[0], CheckpointWrapper)
+
+    layout = _layout("packed")
+
+    bias_cache = _bias_cache(checkpointed, layout)
+
+    def step(module: Module, x: Tensor, _: MoeStatisticsRecorder) -> Tensor:
+        y: Tensor = module[0](x, layout, bias_cache)
+
+        return y
+
+    _assert_compiles_like_eager(checkpointed, step, layout)
 
 
 def test_whole_model_with_its_loss_compiles_like_eager() -> None:

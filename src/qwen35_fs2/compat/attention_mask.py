@@ -1,0 +1,149 @@
+"""Workaround: the attention mask of a packed or padded batch made before the
+layers run, so that compiled attention layers do not break their graphs.
+
+fairseq2 0.8.1's :class:`~fairseq2.models.transformer.TorchSDPA` (the
+``torch`` choice of ``common.torch.default_sdpa``, the default) makes the
+mask of a packed or padded batch in ``_get_attention_bias_tensor``, which is
+marked ``torch.compiler.disable``: every compiled attention layer breaks its
+graph there, even when the mask is already in the batch's
+``AttentionBiasCache``. Under activation checkpointing a graph break inside
+a checkpointed layer makes dynamo run the whole layer eagerly, so packed
+training with ``trainer.activation_checkpointing`` and ``model.compile``
+left every attention layer uncompiled.
+
+:func:`make_attention_bias_cache` materializes the mask once per forward pass,
+outside the compiled layers, with fairseq2's public
+``materialize_attention_bias`` (the same tensor ``TorchSDPA`` makes), and
+:func:`run_sdpa` runs what ``TorchSDPA.forward`` runs with it. Every other
+SDPA (``flash2``, ``flash3``, ``naive``) and every call without a
+precomputed mask goes to the SDPA module unchanged.
+``tests/unit/compat/test_attention_mask.py`` fails if ``TorchSDPA`` stops
+breaking the graph (then this module can go) or if the two paths differ.
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.functional import scaled_dot_product_attention
+
+from fairseq2.models.transformer import (
+    SDPA,
+    AttentionBiasCache,
+    CausalAttentionBias,
+    TorchSDPA,
+    materialize_attention_bias,
+)
+from fairseq2.nn import BatchLayout
+
+
+@final
+class PrecomputedMaskCache(AttentionBiasCache):
+    """The bias cache of one forward pass, holding the materialized causal
+    mask of its packed or padded batch (``None`` if the batch needs none)."""
+
+    def __init__(self, causal_mask: Tensor | None) -> None:
+        super().__init__()
+
+        self.causal_mask = causal_mask
+
+
+def make_attention_bias_cache(
+    layers: Module, seqs: Tensor, seqs_layout: BatchLayout, *, incremental: bool
+) -> AttentionBiasCache:
+    """Returns the bias cache for one forward pass of ``layers`` over
+    ``seqs``: a :class:`PrecomputedMaskCache` if an attention layer among
+    ``layers`` runs ``TorchSDPA`` with a causal bias, else fairseq2's own.
+
+    :param incremental: If ``True`` (decoding with a key/value cache), the
+        keys' layout is not the queries', and fairseq2 makes the mask as
+        usual.
+    """
+    if incremental or not any(_takes_precomputed_mask(m) for m in layers.modules()):
+        return AttentionBiasCache()
+
+    # As `TorchSDPA` decides: a full batch runs `is_causal`, a padded one of
+    # one token needs no mask.
+    if not seqs_layout.packed and (not seqs_layout.padded or seqs_layout.max_seq_len == 1):
+        return PrecomputedMaskCache(None)
+
+    # The dtype of the queries, which `TorchSDPA` makes the mask in: that of
+    # the projections' output.
+    if torch.is_autocast_enabled(seqs.device.type):
+        dtype = torch.get_autocast_dtype(seqs.device.type)
+    else:
+        dtype = seqs.dtype
+
+    mask = _materialize(seqs_layout, seqs.device, dtype)
+
+    return PrecomputedMaskCache(mask)
+
+
+# A graph break where the whole model is compiled at once: the mask is made
+# from the layout's host lists, which would specialize the graph on them.
+@torch.compiler.disable
+def _materialize(seqs_layout: BatchLayout, device: torch.device, dtype: torch.dtype) -> Tensor:
+    return materialize_attention_bias(CausalAttentionBias(), seqs_layout, seqs_layout, device, dtype)
+
+
+def _takes_precomputed_mask(module: Module) -> bool:
+    if not isinstance(module, TorchSDPA):
+        return False
+
+    bias = module.bias
+
+    return isinstance(bias, CausalAttentionBias) and bias.attn_window_len is None
+
+
+def run_sdpa(
+    sdpa: SDPA,
+    q: Tensor,
+    q_layout: BatchLayout,
+    k: Tensor,
+    k_layout: BatchLayout,
+    v: Tensor,
+    bias_cache: AttentionBiasCache,
+) -> Tensor:
+    """Returns ``sdpa(q, q_layout, k, k_layout, v, bias_cache)``'s attention;
+    with the precomputed mask of ``bias_cache`` where ``sdpa`` would make
+    that mask itself.
+
+    *Shapes:* ``q`` :math:`(N,S,H,K)`, ``k`` and ``v`` :math:`(N,S,H,K)`;
+    the output :math:`(N,S,H,V)`.
+    """
+    if (
+        isinstance(bias_cache, PrecomputedMaskCache)
+        and bias_cache.causal_mask is not None
+        and _takes_precomputed_mask(sdpa)
+        and q_layout is k_layout
+    ):
+        assert isinstance(sdpa, TorchSDPA)
+
+        return _torch_sdpa_with_mask(sdpa, q, k, v, bias_cache.causal_mask)
+
+    attns, _ = sdpa(q, q_layout, k, k_layout, v, bias_cache)
+
+    return attns
+
+
+def _torch_sdpa_with_mask(sdpa: TorchSDPA, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """What ``TorchSDPA.forward`` computes for a batch whose mask is ``mask``."""
+    dropout_p = sdpa.dropout_p if sdpa.training else 0.0
+
+    # (N, S, H, K) -> (N, H, S, K)
+    q, k, v = q.transpose(-2, -3), k.transpose(-2, -3), v.transpose(-2, -3)
+
+    if sdpa.scale is not None:
+        # `TorchSDPA` scales the queries: SDPA divides by `sqrt(K)` itself.
+        q = q * (sdpa.scale * q.size(-1) ** 0.5)
+
+    # `TorchSDPA` makes the mask in the queries' dtype; a no-op unless
+    # autocast or the parameters give the queries another dtype than the
+    # decoder predicted.
+    attns = scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=dropout_p)
+
+    # (N, H, S, V) -> (N, S, H, V)
+    return attns.transpose(-2, -3)
