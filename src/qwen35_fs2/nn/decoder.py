@@ -29,9 +29,12 @@ class Qwen35Decoder(TransformerLMDecoder):
     packed batch it makes the documents' :class:`VarlenMetadata` once per
     forward pass, from the host data of the batch layout, and hands it to
     every layer, so that no Gated DeltaNet layer reads offsets back from the
-    device or rebuilds the kernels' index tensors. It makes the
-    :class:`MoeStatisticsRecorder` of each forward pass too, and keeps it
-    until :func:`collect_moe_statistics` takes it. A layer hook that returns
+    device or rebuilds the kernels' index tensors. It makes the attention
+    mask of a packed or padded batch before its layers run
+    (:func:`~qwen35_fs2.compat.attention_mask.make_attention_bias_cache`),
+    and the :class:`MoeStatisticsRecorder` of each forward pass, which
+    records the routing statistics its layers return, and keeps it until
+    :func:`collect_moe_statistics` takes it. A layer hook that returns
     ``False`` ends the stack after its layer, as
     :class:`~fairseq2.models.transformer_lm.TransformerLMDecoderLayerHook`
     documents.
@@ -71,23 +74,23 @@ class Qwen35Decoder(TransformerLMDecoder):
         num_layers = len(self.layers)
 
         for layer_idx, layer in enumerate(self.layers):
-            seqs = layer(
+            seqs, routing = layer(
                 seqs,
                 seqs_layout,
                 attn_bias_cache,
                 state_bag=state_bag,
                 varlen=varlen,
-                moe_statistics=moe_statistics,
+                return_moe_statistics=True,
             )
+
+            if routing is not None:
+                moe_statistics.record(_moe_block_of(layer), routing)
 
             hooks = self._layer_hooks.values()
 
             if not all(hook(layer_idx, seqs, seqs_layout, num_layers) for hook in hooks):
                 break
 
-        # From now on the MoE blocks run only when activation checkpointing
-        # recomputes their layers in the backward pass; the closed recorder
-        # ignores what they record then.
         moe_statistics.close()
 
         return self.layer_norm(seqs)  # type: ignore[no-any-return]
@@ -105,6 +108,16 @@ class Qwen35Decoder(TransformerLMDecoder):
             layer.compile(*args, **kwargs)
 
         self.layer_norm.compile(*args, **kwargs)
+
+
+def _moe_block_of(layer: Module) -> Qwen35MoeBlock:
+    """The MoE block of ``layer``, through activation-checkpoint and
+    ``torch.compile`` wrappers."""
+    for module in layer.modules():
+        if isinstance(module, Qwen35MoeBlock):
+            return module
+
+    raise ValueError("`layer` must have an MoE block, but has none.")
 
 
 def collect_moe_statistics(model: Module) -> MoeStatistics | None:

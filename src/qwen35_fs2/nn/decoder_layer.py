@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import final
+from typing import Literal, final, overload
 
 from torch import Tensor
 from typing_extensions import override
@@ -17,7 +17,7 @@ from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm
 
 from qwen35_fs2.nn.gated_deltanet import GatedDeltaNet
 from qwen35_fs2.nn.moe.block import Qwen35MoeBlock
-from qwen35_fs2.nn.moe.statistics import MoeStatisticsRecorder
+from qwen35_fs2.nn.moe.statistics import MoeRoutingStatistics
 from qwen35_fs2.ops.varlen import VarlenMetadata
 
 
@@ -34,8 +34,8 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
 
     The ``ffn`` is fairseq2's dense feed-forward network or a
     :class:`Qwen35MoeBlock`; the layer hands an MoE block its batch layout,
-    so that pads stay out of the routing statistics, and the recorder of the
-    forward pass.
+    so that pads stay out of the routing statistics, and returns the
+    block's statistics to the decoder, which records them.
     """
 
     self_attn: MultiheadAttention | None
@@ -68,6 +68,30 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
         # Decided once: fairseq2's feed-forward networks take `seqs` alone.
         self._ffn_is_moe = isinstance(ffn, Qwen35MoeBlock)
 
+    @overload  # type: ignore[override]
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout,
+        attn_bias_cache: AttentionBiasCache,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+        varlen: VarlenMetadata | None = None,
+        return_moe_statistics: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout,
+        attn_bias_cache: AttentionBiasCache,
+        *,
+        state_bag: IncrementalStateBag | None = None,
+        varlen: VarlenMetadata | None = None,
+        return_moe_statistics: Literal[True],
+    ) -> tuple[Tensor, MoeRoutingStatistics | None]: ...
+
     @override
     def forward(
         self,
@@ -77,14 +101,19 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
         *,
         state_bag: IncrementalStateBag | None = None,
         varlen: VarlenMetadata | None = None,
-        moe_statistics: MoeStatisticsRecorder | None = None,
-    ) -> Tensor:
+        return_moe_statistics: bool = False,
+    ) -> Tensor | tuple[Tensor, MoeRoutingStatistics | None]:
         """
         :param varlen: The documents of a packed batch, made once per batch
             by the decoder; made from ``seqs_layout`` if ``None``.
-        :param moe_statistics: The recorder of the forward pass, made by the
-            decoder, for the routing statistics of an MoE ``ffn``; ``None``
-            to record none.
+        :param return_moe_statistics: If ``True``, returns the routing
+            statistics of an MoE ``ffn`` (``None`` for a dense one) with the
+            output. Returned rather than recorded: under activation
+            checkpointing and ``torch.compile``, a layer that changed Python
+            state (appended to a recorder) would break its graph, which makes
+            dynamo run the whole checkpointed layer eagerly; and a
+            checkpoint's recomputation discards what it returns, so the
+            statistics of a pass are the original pass's only.
         """
         residual = seqs
 
@@ -111,9 +140,18 @@ class Qwen35DecoderLayer(TransformerLMDecoderLayer):
 
         seqs = self.ffn_layer_norm(seqs)
 
-        if self._ffn_is_moe:
-            seqs = self.ffn(seqs, seqs_layout, statistics=moe_statistics)
-        else:
-            seqs = self.ffn(seqs)
+        routing = None
 
-        return seqs + residual
+        if not self._ffn_is_moe:
+            seqs = self.ffn(seqs)
+        elif return_moe_statistics:
+            seqs, routing = self.ffn(seqs, seqs_layout, return_statistics=True)
+        else:
+            seqs = self.ffn(seqs, seqs_layout)
+
+        seqs = seqs + residual
+
+        if return_moe_statistics:
+            return seqs, routing
+
+        return seqs

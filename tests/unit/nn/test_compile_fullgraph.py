@@ -231,41 +231,58 @@ def test_decoder_layers_compile_like_eager(kind: str) -> None:
 
     def step(module: Module, x: Tensor, recorder: MoeStatisticsRecorder) -> Tensor:
         for layer in module.children():
-            x = layer(x, layout, bias_cache, moe_statistics=recorder)
+            x, routing = layer(x, layout, bias_cache, return_moe_statistics=True)
+
+            recorder.record(layer.ffn, routing)
 
         return x
 
     _assert_compiles_like_eager(pair, step, layout)
 
 
-def test_checkpointed_dense_attention_layer_compiles_on_a_packed_batch() -> None:
-    # fairseq2's layerwise activation checkpointing wraps the layer before it
-    # is compiled; a graph break inside the checkpoint would run the whole
-    # layer eagerly (and `fullgraph=True` raises).
-    torch.manual_seed(0)
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_checkpointed_decoder_layers_compile_on_a_packed_batch(model: str) -> None:
+    # fairseq2's layerwise activation checkpointing wraps each layer before
+    # it is compiled; a graph break inside the checkpoint would run the
+    # whole layer eagerly (and `fullgraph=True` raises). A Gated DeltaNet
+    # and an attention layer, with dense FFNs or MoE blocks, whose routing
+    # statistics the layers return and the step records outside them, as
+    # the decoder does.
+    if model == "dense":
+        torch.manual_seed(0)
 
-    config = tiny_qwen35_config()
+        config = tiny_qwen35_config()
 
-    config.gdn_backend = "torch"
+        config.gdn_backend = "torch"
 
-    layers = create_qwen35_model(config).train().decoder.layers
+        layers = create_qwen35_model(config).train().decoder.layers
+    else:
+        layers = _make_model().decoder.layers
 
-    attn_idx = next(idx for idx, layer in enumerate(layers) if layer.self_attn is not None)
+    assert layers[0].linear_attn is not None and layers[3].self_attn is not None
 
-    checkpointed = torch.nn.ModuleList([layers[attn_idx]])
+    checkpointed = torch.nn.ModuleList([layers[0], layers[3]])
 
     apply_layerwise_ac(checkpointed, every_nth_layer=1)
 
-    assert isinstance(checkpointed[0], CheckpointWrapper)
+    assert all(isinstance(layer, CheckpointWrapper) for layer in checkpointed)
 
     layout = _layout("packed")
 
     bias_cache = _bias_cache(checkpointed, layout)
 
-    def step(module: Module, x: Tensor, _: MoeStatisticsRecorder) -> Tensor:
-        y: Tensor = module[0](x, layout, bias_cache)
+    def step(module: Module, x: Tensor, recorder: MoeStatisticsRecorder) -> Tensor:
+        for layer in module.children():
+            x, routing = layer(x, layout, bias_cache, return_moe_statistics=True)
 
-        return y
+            assert (routing is None) == (model == "dense")
+
+            if routing is not None:
+                # The wrapped layer's block (dynamo does not follow the
+                # wrapper's attribute forwarding).
+                recorder.record(layer._checkpoint_wrapped_module.ffn, routing)
+
+        return x
 
     _assert_compiles_like_eager(checkpointed, step, layout)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, final
+from typing import Any, Literal, final, overload
 
 import torch
 import torch.nn.functional as F
@@ -87,19 +87,73 @@ class Qwen35MoeBlock(FeedForwardNetwork):
         which also keeps only this rank's experts); ``None`` to run them all
         here."""
 
+    @overload  # type: ignore[override]
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout | None = None,
+        *,
+        statistics: MoeStatisticsRecorder | None = None,
+        return_statistics: Literal[False] = False,
+    ) -> Tensor: ...
+
+    @overload
+    def forward(
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout | None = None,
+        *,
+        statistics: None = None,
+        return_statistics: Literal[True],
+    ) -> tuple[Tensor, MoeRoutingStatistics]: ...
+
     @override
     def forward(
-        self, seqs: Tensor, seqs_layout: BatchLayout | None = None, *, statistics: MoeStatisticsRecorder | None = None
-    ) -> Tensor:
+        self,
+        seqs: Tensor,
+        seqs_layout: BatchLayout | None = None,
+        *,
+        statistics: MoeStatisticsRecorder | None = None,
+        return_statistics: bool = False,
+    ) -> Tensor | tuple[Tensor, MoeRoutingStatistics]:
         """
         :param seqs: *Shape:* :math:`(N,S,M)`, or :math:`(T,M)` if packed.
         :param seqs_layout: The layout of ``seqs``, whose pads the statistics
             leave out; ``None`` if every position holds a token.
         :param statistics: The recorder of the forward pass, which receives
             the routing statistics of this block; ``None`` to record none.
+        :param return_statistics: If ``True``, the routing statistics are
+            returned with the output instead of recorded: for callers traced
+            where Python state must not change, such as a compiled,
+            activation-checkpointed decoder layer
+            (:class:`~qwen35_fs2.nn.Qwen35DecoderLayer`).
 
-        :returns: *Shape:* Same as ``seqs``.
+        :returns: *Shape:* Same as ``seqs``; with ``return_statistics``, the
+            statistics too.
         """
+        if return_statistics and statistics is not None:
+            raise ValueError("`statistics` must be `None` when `return_statistics` is set, but is not.")
+
+        output, routing = self._forward(seqs, seqs_layout, statistics is not None or return_statistics)
+
+        if return_statistics:
+            assert routing is not None
+
+            return output, routing
+
+        # An activation-checkpoint rerun of the forward pass computes them as
+        # well, as it must save the same tensors for the backward pass as the
+        # original pass; the closed recorder ignores them.
+        if statistics is not None:
+            assert routing is not None
+
+            statistics.record(self, routing)
+
+        return output
+
+    def _forward(
+        self, seqs: Tensor, seqs_layout: BatchLayout | None, with_statistics: bool
+    ) -> tuple[Tensor, MoeRoutingStatistics | None]:
         token_mask = _token_mask(seqs, seqs_layout)
 
         # (N, S, M) -> (T, M)
@@ -155,13 +209,12 @@ class Qwen35MoeBlock(FeedForwardNetwork):
 
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
-        # An activation-checkpoint rerun of the forward pass computes them as
-        # well, as it must save the same tensors for the backward pass as the
-        # original pass; the closed recorder ignores them.
-        if statistics is not None:
-            statistics.record(self, self._routing_statistics(probs, slot_experts, token_mask, rows_per_ep_rank))
+        routing = None
 
-        return (routed + shared).view(seqs.shape)
+        if with_statistics:
+            routing = self._routing_statistics(probs, slot_experts, token_mask, rows_per_ep_rank)
+
+        return (routed + shared).view(seqs.shape), routing
 
     def _run_local_experts(self, sorted_seqs: Tensor, tokens_per_place: Tensor) -> tuple[Tensor, Tensor | None]:
         """Runs the rank's experts on their rows of ``sorted_seqs``; the rows

@@ -6,17 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import final
+from typing import NamedTuple, final
 
 import torch
 from torch import Tensor
 from torch.nn import Module
 
-@final
-@dataclass(frozen=True)
-class MoeRoutingStatistics:
+
+class MoeRoutingStatistics(NamedTuple):
     """What one forward pass of a :class:`Qwen35MoeBlock` routed, counting only
-    real (non-pad) tokens."""
+    real (non-pad) tokens.
+
+    A named tuple, not a dataclass: a compiled, activation-checkpointed
+    decoder layer returns it with its output, and dynamo traces a named
+    tuple out of a checkpoint, where it fails on a dataclass (torch 2.9,
+    ``tests/unit/nn/test_compile_fullgraph.py``)."""
 
     tokens_per_expert: Tensor
     """(token, slot) assignments to each expert. *Shape:* :math:`(E,)`, fp32."""
@@ -118,12 +122,13 @@ class MoeStatisticsRecorder:
     one forward pass of a model.
 
     :class:`~qwen35_fs2.nn.Qwen35Decoder` makes one for each forward pass,
-    hands it through its layers to their MoE blocks, and closes it when the
-    pass ends. Activation checkpointing reruns a layer's forward pass during
-    the backward pass with the arguments of the original pass, so the rerun
-    finds this recorder closed and records nothing: every block counts once,
-    whichever applier wraps the layers, and no autograd internals tell a
-    rerun apart.
+    records there what its layers return, and closes it when the pass ends.
+    A block given the recorder itself (``Qwen35MoeBlock.forward(...,
+    statistics=recorder)``) records into it; activation checkpointing reruns
+    such a forward pass during the backward pass with the arguments of the
+    original pass, so the rerun finds this recorder closed and records
+    nothing: every block counts once, whichever applier wraps the layers,
+    and no autograd internals tell a rerun apart.
 
     The statistics carry the autograd graph of the load-balancing loss; only
     the recorder holds them, and :meth:`collect` lets go of them.
