@@ -761,6 +761,33 @@ class TestCollectMoeStatistics:
         with pytest.raises(RuntimeError, match=r"MoE layers \[0\] have no routing statistics"):
             recorder.collect([block])
 
+    def test_returned_statistics_are_those_recorded(self) -> None:
+        # The decoder layers take them returned (under activation
+        # checkpointing and `torch.compile`, recording would break the
+        # graph); the block records the same.
+        block = _make_block()
+
+        x = torch.randn(2, 5, MODEL_DIM)
+
+        layout = BatchLayout((2, 5), [5, 3])
+
+        recorder = MoeStatisticsRecorder()
+
+        recorded_output = block(x, layout, statistics=recorder)
+
+        output, returned = block(x, layout, return_statistics=True)
+
+        assert torch.equal(output, recorded_output)
+
+        recorded = recorder.collect([block])
+
+        assert returned.num_tokens.item() == recorded.num_tokens.item() == 8
+
+        assert torch.equal(returned.tokens_per_expert, recorded.tokens_per_expert[0])
+
+        with pytest.raises(ValueError, match=r"`statistics` must be `None` when `return_statistics` is set"):
+            block(x, layout, statistics=recorder, return_statistics=True)
+
     # With early stopping, the recomputation ends before the statistics.
     @pytest.mark.parametrize("early_stop", [True, False])
     def test_activation_checkpointing_keeps_statistics_and_gradients(self, early_stop: bool) -> None:
