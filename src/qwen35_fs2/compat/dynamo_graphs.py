@@ -1,13 +1,18 @@
-"""Workaround: the number of graphs ``torch.compile`` has compiled.
+"""Workaround: the number of graphs ``torch.compile`` has compiled, and of
+the graph breaks it has met.
 
 PyTorch 2.9 has no public count of dynamo's compilations (or
-recompilations); its ``TORCH_LOGS=recompiles`` logs their reasons but counts
-nothing. Dynamo increments ``torch._dynamo.utils.counters["stats"]
-["unique_graphs"]`` for every graph it compiles, the first ones and each
-recompilation alike; the recipes report it as the metric ``compiled_graphs``
-so that a run that keeps recompiling shows it.
-``tests/unit/compat/test_dynamo_graphs.py`` fails if the counter goes away
-or stops counting recompilations.
+recompilations) or graph breaks; its ``TORCH_LOGS=recompiles`` and
+``TORCH_LOGS=graph_breaks`` log them but count nothing. Dynamo increments
+``torch._dynamo.utils.counters["stats"]["unique_graphs"]`` for every graph it
+compiles, the first ones and each recompilation alike, and
+``counters["graph_break"][reason]`` for every graph break it compiles around
+(once per compilation, not per call). The recipes report both as the
+metrics ``compiled_graphs`` and ``graph_breaks``, so that a run that keeps
+recompiling, or whose layers fall back to eager mode in part (under
+activation checkpointing, a graph break runs the whole layer eagerly),
+shows it. ``tests/unit/compat/test_dynamo_graphs.py`` fails if the counters
+go away or stop counting.
 """
 
 from __future__ import annotations
@@ -18,3 +23,18 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graph_break_reasons() -> dict[str, int]:
+    """Returns the first line of the reason of every graph break dynamo has
+    compiled around in this process, with how many times it did."""
+    from torch._dynamo.utils import counters
+
+    reasons: dict[str, int] = {}
+
+    for reason, count in counters["graph_break"].items():
+        first_line = str(reason).strip().splitlines()[0] if str(reason).strip() else "(no reason given)"
+
+        reasons[first_line] = reasons.get(first_line, 0) + int(count)
+
+    return reasons

@@ -50,7 +50,7 @@ from qwen35_fs2.hf.sharded_loading import (
     enable_sharded_checkpoint_loading,
     finish_sharded_checkpoint_loading,
 )
-from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count
+from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count, graph_break_reasons
 from qwen35_fs2.compat.stop_on_signal import stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 from qwen35_fs2.recipes.idle_batches import is_idle_batch
@@ -356,6 +356,7 @@ def register_lm_recipe_extras(container: DependencyContainer) -> None:
     register("moe_dropped_tokens", "Dropped Expert Assignments", 108, format_as_int)
     register("moe_ep_imbalance", "Expert-Parallel Imbalance", 109, format_as_float)
     register("compiled_graphs", "Compiled Graphs", 110, format_as_int)
+    register("graph_breaks", "Graph Breaks", 111, format_as_int)
     register("num_correct", "Number of Correct Answers", 210, format_as_int)
     register("num_truncated", "Number of Truncated Responses", 211, format_as_int)
 
@@ -598,13 +599,15 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
     def __init__(self, loss_computer: LMLossComputer, *, compiled: bool = False) -> None:
         """
         :param compiled: If ``True``, the model runs under ``torch.compile``:
-            each step reports the number of graphs compiled so far (the
-            metric ``compiled_graphs``), and a step that compiled any logs
-            how many.
+            each step reports the number of graphs compiled so far and of
+            the graph breaks compiled around (the metrics ``compiled_graphs``
+            and ``graph_breaks``); a step that compiled any logs how many,
+            and a step that met new graph breaks warns with their reasons.
         """
         self._loss_computer = loss_computer
         self._compiled = compiled
         self._num_graphs = 0
+        self._graph_breaks: dict[str, int] = {}
         self._step_nr = 0
 
     @override
@@ -613,6 +616,7 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
 
         if self._compiled:
             metric_bag.add("compiled_graphs", Max())
+            metric_bag.add("graph_breaks", Max())
 
     @override
     def set_step_nr(self, step_nr: int) -> None:
@@ -636,6 +640,25 @@ class LMTrainUnit(TrainUnit[SequenceBatch]):
                 self._num_graphs = num_graphs
 
             metric_bag.get("compiled_graphs", Max).update(num_graphs)
+
+            graph_breaks = graph_break_reasons()
+
+            new_breaks = {
+                reason: count - self._graph_breaks.get(reason, 0)
+                for reason, count in graph_breaks.items()
+                if count > self._graph_breaks.get(reason, 0)
+            }
+
+            if new_breaks:
+                log.warning(
+                    "torch.compile met {} graph break(s) by step {} ({} in all): {}. Each runs the code after it in another graph, and under activation checkpointing its whole layer eagerly; `TORCH_LOGS=graph_breaks` says where.",
+                    sum(new_breaks.values()), self._step_nr, sum(graph_breaks.values()),
+                    "; ".join(f"{count} x {reason}" for reason, count in new_breaks.items()),
+                )  # fmt: skip
+
+                self._graph_breaks = graph_breaks
+
+            metric_bag.get("graph_breaks", Max).update(sum(graph_breaks.values()))
 
         # A non-finite loss would silently turn every weight into NaN. The
         # process exits, so `torchrun` and `srun` end the other ranks too.
