@@ -43,9 +43,9 @@ from fairseq2.nn import BatchLayout
 @final
 class PrecomputedMaskCache(AttentionBiasCache):
     """The bias cache of one forward pass, holding the materialized causal
-    mask of its packed or padded batch (``None`` if the batch needs none)."""
+    mask of its packed or padded batch."""
 
-    def __init__(self, causal_mask: Tensor | None) -> None:
+    def __init__(self, causal_mask: Tensor) -> None:
         super().__init__()
 
         self.causal_mask = causal_mask
@@ -55,20 +55,24 @@ def make_attention_bias_cache(
     layers: Module, seqs: Tensor, seqs_layout: BatchLayout, *, incremental: bool
 ) -> AttentionBiasCache:
     """Returns the bias cache for one forward pass of ``layers`` over
-    ``seqs``: a :class:`PrecomputedMaskCache` if an attention layer among
-    ``layers`` runs ``TorchSDPA`` with a causal bias, else fairseq2's own.
+    ``seqs``: a :class:`PrecomputedMaskCache` if the batch is packed or
+    padded and an attention layer among ``layers`` runs ``TorchSDPA`` with a
+    causal bias, else fairseq2's own.
 
     :param incremental: If ``True`` (decoding with a key/value cache), the
         keys' layout is not the queries', and fairseq2 makes the mask as
         usual.
     """
-    if incremental or not any(_takes_precomputed_mask(m) for m in layers.modules()):
+    if incremental:
         return AttentionBiasCache()
 
     # As `TorchSDPA` decides: a full batch runs `is_causal`, a padded one of
     # one token needs no mask.
     if not seqs_layout.packed and (not seqs_layout.padded or seqs_layout.max_seq_len == 1):
-        return PrecomputedMaskCache(None)
+        return AttentionBiasCache()
+
+    if not any(_takes_precomputed_mask(m) for m in layers.modules()):
+        return AttentionBiasCache()
 
     # The dtype of the queries, which `TorchSDPA` makes the mask in: that of
     # the projections' output.
@@ -114,12 +118,7 @@ def run_sdpa(
     *Shapes:* ``q`` :math:`(N,S,H,K)`, ``k`` and ``v`` :math:`(N,S,H,K)`;
     the output :math:`(N,S,H,V)`.
     """
-    if (
-        isinstance(bias_cache, PrecomputedMaskCache)
-        and bias_cache.causal_mask is not None
-        and _takes_precomputed_mask(sdpa)
-        and q_layout is k_layout
-    ):
+    if isinstance(bias_cache, PrecomputedMaskCache) and _takes_precomputed_mask(sdpa) and q_layout is k_layout:
         assert isinstance(sdpa, TorchSDPA)
 
         return _torch_sdpa_with_mask(sdpa, q, k, v, bias_cache.causal_mask)

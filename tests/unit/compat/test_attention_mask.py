@@ -112,7 +112,7 @@ def test_the_precomputed_mask_gives_what_torch_sdpa_gives(
         def precomputed(q: Tensor) -> AttentionBiasCache:
             cache = make_attention_bias_cache(layers, q, layout, incremental=False)
 
-            assert isinstance(cache, PrecomputedMaskCache) and cache.causal_mask is not None
+            assert isinstance(cache, PrecomputedMaskCache)
 
             return cache
 
@@ -169,4 +169,4 @@ def test_fairseq2s_cache_where_no_mask_is_precomputed() -> None:
 
     cache = make_attention_bias_cache(torch_sdpa, torch.zeros(2, 70, 4, 16), full, incremental=False)
 
-    assert isinstance(cache, PrecomputedMaskCache) and cache.causal_mask is None
+    assert type(cache) is AttentionBiasCache
