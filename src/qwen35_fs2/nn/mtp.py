@@ -91,7 +91,7 @@ class Qwen35MultiTokenPredictor(Module):
 
         self._loss: MtpLoss | None = None
 
-    def set_batch_layout(self, seqs_layout: BatchLayout, device: torch.device) -> None:
+    def set_batch_layout(self, seqs_layout: BatchLayout, device: torch.device, *, incremental: bool = False) -> None:
         """Records the layout of the model's input, for a loss computed from
         the trunk's output (:func:`pass_batch_layout_to_mtp`), with the
         attention bias cache of the head's layers for it.
@@ -100,10 +100,15 @@ class Qwen35MultiTokenPredictor(Module):
         runs the head may be compiled: the attention mask of a packed or
         padded batch made in it would break its graph
         (:mod:`~qwen35_fs2.compat.attention_mask`).
+
+        :param incremental: If ``True``, the model decodes with a key/value
+            cache, whose layout the keys take: fairseq2 makes the mask.
         """
         dtype = next(self.parameters()).dtype
 
-        bias_cache = make_attention_bias_cache(self.layers, seqs_layout, device=device, dtype=dtype, incremental=False)
+        bias_cache = make_attention_bias_cache(
+            self.layers, seqs_layout, device=device, dtype=dtype, incremental=incremental
+        )
 
         self._batch = (seqs_layout, bias_cache)
 
@@ -211,7 +216,7 @@ def pass_batch_layout_to_mtp(
             f"`model.mtp` must be a `Qwen35MultiTokenPredictor`, but is of type `{type(mtp).__name__}` instead."
         )
 
-    mtp.set_batch_layout(seqs_layout, seqs.device)
+    mtp.set_batch_layout(seqs_layout, seqs.device, incremental=kwargs.get("state_bag") is not None)
 
 
 def find_mtp(model: Module) -> Qwen35MultiTokenPredictor | None:

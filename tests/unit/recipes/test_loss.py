@@ -713,14 +713,7 @@ class TestInstallChunkedLMLoss:
         target_mask = torch.ones_like(seqs, dtype=torch.bool)
         target_mask[1, :4] = False
 
-        # Padded: the MTP head's attention layer takes the mask made before
-        # the compiled loss (`Qwen35MultiTokenPredictor.set_batch_layout`).
-        if padded:
-            layout = BatchLayout((2, 8), [8, 5])
-
-            target_mask[1, 6:] = False
-        else:
-            layout = BatchLayout.of(seqs[:, :-1])
+        layout = BatchLayout.of(seqs[:, :-1])
 
         targets, mask = seqs[:, 1:], target_mask[:, 1:]
 
