@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 from torch.nn import Module, ModuleList
 
-from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.nn import BatchLayout, IncrementalStateBag, LayerNorm, Projection
 
 from qwen35_fs2.compat.attention_mask import make_attention_bias_cache
@@ -87,42 +86,25 @@ class Qwen35MultiTokenPredictor(Module):
 
         self.layer_norm = layer_norm
 
-        self._batch: tuple[BatchLayout, AttentionBiasCache] | None = None
+        self._batch_layout: BatchLayout | None = None
 
         self._loss: MtpLoss | None = None
 
-    def set_batch_layout(self, seqs_layout: BatchLayout, device: torch.device, *, incremental: bool = False) -> None:
+    def set_batch_layout(self, seqs_layout: BatchLayout) -> None:
         """Records the layout of the model's input, for a loss computed from
-        the trunk's output (:func:`pass_batch_layout_to_mtp`), with the
-        attention bias cache of the head's layers for it.
+        the trunk's output (:func:`pass_batch_layout_to_mtp`)."""
+        self._batch_layout = seqs_layout
 
-        The cache is made here, before the model runs, because the loss that
-        runs the head may be compiled: the attention mask of a packed or
-        padded batch made in it would break its graph
-        (:mod:`~qwen35_fs2.compat.attention_mask`).
+    def pop_batch_layout(self) -> BatchLayout:
+        """Returns and clears the layout of :meth:`set_batch_layout`."""
+        seqs_layout, self._batch_layout = self._batch_layout, None
 
-        :param incremental: If ``True``, the model decodes with a key/value
-            cache, whose layout the keys take: fairseq2 makes the mask.
-        """
-        dtype = next(self.parameters()).dtype
-
-        bias_cache = make_attention_bias_cache(
-            self.layers, seqs_layout, device=device, dtype=dtype, incremental=incremental
-        )
-
-        self._batch = (seqs_layout, bias_cache)
-
-    def pop_batch_layout(self) -> tuple[BatchLayout, AttentionBiasCache]:
-        """Returns and clears the layout of :meth:`set_batch_layout` and its
-        attention bias cache."""
-        batch, self._batch = self._batch, None
-
-        if batch is None:
+        if seqs_layout is None:
             raise RuntimeError(
                 "The MTP head has no batch layout. Register `pass_batch_layout_to_mtp` as a forward pre-hook of the model."
             )
 
-        return batch
+        return seqs_layout
 
     def set_loss(self, loss: MtpLoss) -> None:
         self._loss = loss
@@ -141,7 +123,6 @@ class Qwen35MultiTokenPredictor(Module):
         seqs_layout: BatchLayout,
         *,
         state_bag: IncrementalStateBag | None = None,
-        attn_bias_cache: AttentionBiasCache | None = None,
     ) -> Tensor:
         """
         :param hidden: The trunk's output at each position (after its final
@@ -153,8 +134,6 @@ class Qwen35MultiTokenPredictor(Module):
             values of its attention) when it drafts token by token in
             evaluation mode; its step number is the position of
             ``hidden``'s first element.
-        :param attn_bias_cache: The bias cache of ``seqs_layout`` from
-            :meth:`pop_batch_layout`; made here if ``None``.
 
         :returns: The head's output at each position, to be projected to the
             logits of the token after the next one. *Shape:* Same as
@@ -170,14 +149,17 @@ class Qwen35MultiTokenPredictor(Module):
 
         seqs = self.fc(seqs)
 
-        if attn_bias_cache is None:
-            attn_bias_cache = make_attention_bias_cache(
-                self.layers,
-                seqs_layout,
-                device=seqs.device,
-                dtype=seqs.dtype,
-                incremental=state_bag is not None,
-            )
+        # Made here, inside the recipes' compiled loss for a packed or padded
+        # batch: a graph break there. Made before the model ran, the mask
+        # would be held through the trunk's forward pass, and for steps whose
+        # loss does not run the head.
+        attn_bias_cache = make_attention_bias_cache(
+            self.layers,
+            seqs_layout,
+            device=seqs.device,
+            dtype=seqs.dtype,
+            incremental=state_bag is not None,
+        )
 
         for layer in self.layers:
             seqs = layer(seqs, seqs_layout, attn_bias_cache, state_bag=state_bag)
@@ -195,13 +177,6 @@ def pass_batch_layout_to_mtp(
     A module-level function, not a closure, so that copies of the model
     (``deepcopy``, pickling) keep working hooks.
     """
-    seqs = args[0] if args else kwargs.get("seqs")
-
-    if not isinstance(seqs, Tensor):
-        raise TypeError(
-            f"The first argument of the model must be a `Tensor`, but is of type `{type(seqs).__name__}` instead."
-        )
-
     seqs_layout = args[1] if len(args) > 1 else kwargs.get("seqs_layout")
 
     if not isinstance(seqs_layout, BatchLayout):
@@ -216,7 +191,7 @@ def pass_batch_layout_to_mtp(
             f"`model.mtp` must be a `Qwen35MultiTokenPredictor`, but is of type `{type(mtp).__name__}` instead."
         )
 
-    mtp.set_batch_layout(seqs_layout, seqs.device, incremental=kwargs.get("state_bag") is not None)
+    mtp.set_batch_layout(seqs_layout)
 
 
 def find_mtp(model: Module) -> Qwen35MultiTokenPredictor | None:

@@ -59,7 +59,6 @@ from torch.utils.checkpoint import checkpoint
 from torch.nn import Module
 
 from fairseq2.error import InternalError
-from fairseq2.models.transformer import AttentionBiasCache
 from fairseq2.models.transformer_lm import TransformerLM
 from fairseq2.nn import BatchLayout, ColumnShardedLinear, Linear, Projection, TiedProjection
 from fairseq2.nn.functional import cross_entropy
@@ -1156,20 +1155,17 @@ def _compute_chunked_fused_loss(
         if not isinstance(mtp, Qwen35MultiTokenPredictor):
             raise InternalError(f"`model.mtp` is of type `{type(mtp)}`.")
 
-        seqs_layout, attn_bias_cache = mtp.pop_batch_layout()
-
         mtp.set_loss(
             compute_mtp_loss(
                 model,
                 mtp,
                 decoder_output,
-                seqs_layout,
+                mtp.pop_batch_layout(),
                 targets,
                 target_mask,
                 label_smoothing=label_smoothing,
                 chunk_size=chunk_size,
                 acceptance=not model.training,
-                attn_bias_cache=attn_bias_cache,
             )
         )
 
@@ -1187,7 +1183,6 @@ def compute_mtp_loss(
     label_smoothing: float = 0.0,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     acceptance: bool = False,
-    attn_bias_cache: AttentionBiasCache | None = None,
 ) -> MtpLoss:
     """Returns the summed cross entropy of the MTP head's predictions of the
     token after next: at position ``t`` the head takes the trunk's output
@@ -1204,16 +1199,13 @@ def compute_mtp_loss(
         draft the trunk's greedy token at the next position accepts
         (:attr:`MtpLoss.num_accepted`), from the logits of ``chunk_size``
         tokens at a time.
-    :param attn_bias_cache: The head's bias cache for ``seqs_layout``, made
-        before the model ran (``Qwen35MultiTokenPredictor.pop_batch_layout``);
-        the head makes it if ``None``.
     """
     embed = model.decoder_frontend.embed  # type: ignore[union-attr]
 
     if not isinstance(embed, Module):
         raise InternalError(f"`model.decoder_frontend.embed` is of type `{type(embed)}`.")
 
-    mtp_output = mtp(decoder_output, embed(targets), seqs_layout, attn_bias_cache=attn_bias_cache)
+    mtp_output = mtp(decoder_output, embed(targets), seqs_layout)
 
     mtp_targets = shift_mtp_targets(targets)
 
