@@ -52,20 +52,14 @@ class PrecomputedMaskCache(AttentionBiasCache):
 
 
 def make_attention_bias_cache(
-    layers: Module,
-    seqs_layout: BatchLayout,
-    *,
-    device: torch.device,
-    dtype: torch.dtype,
-    incremental: bool,
+    layers: Module, seqs: Tensor, seqs_layout: BatchLayout, *, incremental: bool
 ) -> AttentionBiasCache:
-    """Returns the bias cache for one forward pass of ``layers`` over a batch
-    of ``seqs_layout``: a :class:`PrecomputedMaskCache` if the batch is packed
-    or padded and an attention layer among ``layers`` runs ``TorchSDPA`` with
-    a causal bias, else fairseq2's own.
+    """Returns the bias cache for one forward pass of ``layers`` over
+    ``seqs``: a :class:`PrecomputedMaskCache` if the batch is packed or
+    padded and an attention layer among ``layers`` runs ``TorchSDPA`` with a
+    causal bias, else fairseq2's own. The mask takes the device of ``seqs``
+    and their dtype (autocast's under autocast), as the queries do.
 
-    :param dtype: The dtype of the layers' input; under autocast the mask
-        takes autocast's, as the queries do.
     :param incremental: If ``True`` (decoding with a key/value cache), the
         keys' layout is not the queries', and fairseq2 makes the mask as
         usual.
@@ -83,10 +77,12 @@ def make_attention_bias_cache(
 
     # The dtype of the queries, which `TorchSDPA` makes the mask in: that of
     # the projections' output.
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    if torch.is_autocast_enabled(seqs.device.type):
+        dtype = torch.get_autocast_dtype(seqs.device.type)
+    else:
+        dtype = seqs.dtype
 
-    mask = _materialize(seqs_layout, device, dtype)
+    mask = _materialize(seqs_layout, seqs.device, dtype)
 
     return PrecomputedMaskCache(mask)
 

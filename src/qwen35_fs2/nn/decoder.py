@@ -60,11 +60,7 @@ class Qwen35Decoder(TransformerLMDecoder):
         state_bag: IncrementalStateBag | None = None,
     ) -> Tensor:
         attn_bias_cache = make_attention_bias_cache(
-            self.layers,
-            seqs_layout,
-            device=seqs.device,
-            dtype=seqs.dtype,
-            incremental=state_bag is not None,
+            self.layers, seqs, seqs_layout, incremental=state_bag is not None
         )
 
         varlen = None

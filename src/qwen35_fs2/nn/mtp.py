@@ -154,11 +154,7 @@ class Qwen35MultiTokenPredictor(Module):
         # would be held through the trunk's forward pass, and for steps whose
         # loss does not run the head.
         attn_bias_cache = make_attention_bias_cache(
-            self.layers,
-            seqs_layout,
-            device=seqs.device,
-            dtype=seqs.dtype,
-            incremental=state_bag is not None,
+            self.layers, seqs, seqs_layout, incremental=state_bag is not None
         )
 
         for layer in self.layers:

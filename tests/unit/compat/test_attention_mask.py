@@ -110,7 +110,7 @@ def test_the_precomputed_mask_gives_what_torch_sdpa_gives(
         expected = _attend(sdpa, layout, tensor_dtype, lambda _: AttentionBiasCache())
 
         def precomputed(q: Tensor) -> AttentionBiasCache:
-            cache = make_attention_bias_cache(layers, layout, device=q.device, dtype=q.dtype, incremental=False)
+            cache = make_attention_bias_cache(layers, q, layout, incremental=False)
 
             assert isinstance(cache, PrecomputedMaskCache)
 
@@ -132,7 +132,7 @@ def test_the_precomputed_mask_compiles_without_a_graph_break(kind: str) -> None:
 
     q, k, v = (t.detach() for t in _qkv(layout, torch.float32))
 
-    cache = make_attention_bias_cache(ModuleList([sdpa]), layout, device=q.device, dtype=q.dtype, incremental=False)
+    cache = make_attention_bias_cache(ModuleList([sdpa]), q, layout, incremental=False)
 
     def attend(q: Tensor) -> Tensor:
         return run_sdpa(sdpa, q, layout, k, layout, v, cache)
@@ -154,19 +154,19 @@ def test_fairseq2s_cache_where_no_mask_is_precomputed() -> None:
     torch_sdpa = ModuleList([TorchSDPA(CausalAttentionBias())])
 
     # Decoding: the keys' layout is the key/value cache's.
-    cache = make_attention_bias_cache(torch_sdpa, layout, device=q.device, dtype=q.dtype, incremental=True)
+    cache = make_attention_bias_cache(torch_sdpa, q, layout, incremental=True)
 
     assert type(cache) is AttentionBiasCache
 
     # Another SDPA, or a bias that is not plainly causal, makes its own mask.
     for sdpa in (NaiveSDPA(CausalAttentionBias()), TorchSDPA(CausalAttentionBias(attn_window_len=8))):
-        cache = make_attention_bias_cache(ModuleList([sdpa]), layout, device=q.device, dtype=q.dtype, incremental=False)
+        cache = make_attention_bias_cache(ModuleList([sdpa]), q, layout, incremental=False)
 
         assert type(cache) is AttentionBiasCache
 
     # A full batch runs `is_causal`, without a mask.
     full = BatchLayout((2, 70), None)
 
-    cache = make_attention_bias_cache(torch_sdpa, full, device=q.device, dtype=q.dtype, incremental=False)
+    cache = make_attention_bias_cache(torch_sdpa, q, full, incremental=False)
 
     assert type(cache) is AttentionBiasCache

@@ -182,7 +182,7 @@ def test_gated_deltanet_layer_compiles_like_eager(kind: str) -> None:
 def _bias_cache(module: Module, layout: BatchLayout) -> AttentionBiasCache:
     """The bias cache the decoder makes for ``module``'s layers, before the
     compiled part (with the mask of a packed or padded batch)."""
-    return make_attention_bias_cache(module, layout, device=torch.device("cpu"), dtype=torch.float32, incremental=False)
+    return make_attention_bias_cache(module, torch.zeros(()), layout, incremental=False)
 
 
 @pytest.mark.parametrize("kind", ["regular", "padded", "packed"])
