@@ -54,10 +54,17 @@ _qwen35_last_checkpoint() {
 
 # USR1 from SLURM (`--signal=B:USR1@...` reaches only this shell): remember it
 # and pass it on to srun, which forwards it to every rank. fairseq2's trainer
-# then saves a checkpoint and stops.
+# then saves a checkpoint and stops. srun drops a signal that comes before it
+# has started the ranks, and the ranks ignore one that comes before fairseq2
+# has set its handler, so the request also goes into the stop file, which the
+# ranks read before their first step and after every step
+# (qwen35_fs2.compat.stop_on_signal).
 _qwen35_on_usr1() {
     QWEN35_STOP_REQUESTED=1
     qwen35_log "USR1 received: asking the ranks to checkpoint and stop"
+    if [ -n "${QWEN35_STOP_FILE:-}" ]; then
+        : >"$QWEN35_STOP_FILE" || qwen35_log "cannot write the stop file $QWEN35_STOP_FILE: ranks that have not started yet will not see the request"
+    fi
     if [ -n "${QWEN35_SRUN_PID:-}" ]; then
         kill -USR1 "$QWEN35_SRUN_PID" 2>/dev/null || true
     fi
@@ -94,6 +101,7 @@ _qwen35_requeue_after_progress() {
 qwen35_launch() {
     QWEN35_STOP_REQUESTED=0
     QWEN35_SRUN_PID=""
+    QWEN35_STOP_FILE=""
     trap _qwen35_on_usr1 USR1
 
     [ -n "${SLURM_JOB_ID:-}" ] || qwen35_fail "not inside a SLURM job: submit this script with sbatch"
@@ -180,6 +188,13 @@ qwen35_launch() {
     fi
     echo "$SLURM_JOB_ID" >"$owner_file"
 
+    # The stop file of this run (see _qwen35_on_usr1); one that an earlier
+    # run of the job left (it was killed before it could remove it) would stop
+    # this one at once. Removed before it is named: a USR1 in between is in
+    # QWEN35_STOP_REQUESTED, which ends the job before srun.
+    rm -f -- "$out/.qwen35-stop-request"
+    export QWEN35_STOP_FILE=$out/.qwen35-stop-request
+
     # --- shape of the allocation: one task per GPU
     local nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
     local tpn=${SLURM_NTASKS_PER_NODE:-}
@@ -260,7 +275,8 @@ qwen35_launch() {
     # rank when one fails, so a crash never leaves the others waiting.
     # shellcheck disable=SC2016  # expanded by each task's shell
     srun --nodes="$nnodes" --ntasks="$world" --ntasks-per-node="$tpn" "${cpu_args[@]}" --kill-on-bad-exit=1 \
-        bash -c 'export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'
+        bash -c 'trap "" USR1 # until fairseq2 sets its handler; the stop file holds the request
+            export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID LOCAL_WORLD_SIZE='"$tpn"'
             cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) # (nproc reports OMP_NUM_THREADS if set)
             echo "[qwen35-slurm] rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME (local rank $LOCAL_RANK, $cpus CPU(s), OMP_NUM_THREADS=$OMP_NUM_THREADS)"
             exec "$@"' \
@@ -284,6 +300,7 @@ qwen35_launch() {
         break
     done
     QWEN35_SRUN_PID=""
+    rm -f -- "$QWEN35_STOP_FILE"
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
         qwen35_log "ranks exited with $rc after the stop request"

@@ -1,6 +1,7 @@
 """Bad input gives a clear error at submit time (sbatch refuses) or at start
 time (the job fails within seconds with one line in its error file), never a
-job that waits or hangs. These jobs never start Python, so they are fast."""
+job that waits or hangs. These jobs never start Python, so they are fast; the
+stop requests at the start of a job are the exception."""
 
 from __future__ import annotations
 
@@ -255,19 +256,40 @@ def test_request_larger_than_the_nodes_is_refused_at_submit(
     assert slurm_cluster.run("squeue", "-h", "-o", "%i").strip() == ""
 
 
-def test_stop_request_before_any_checkpoint_fails_instead_of_requeueing(slurm_cluster: Cluster, tmp_path: Path) -> None:
+# A job whose ranks start Python must stop within this.
+RANK_START_S = 180
+
+
+@pytest.mark.parametrize("moment", ["launcher-start", "rank-start"])
+def test_stop_request_before_any_checkpoint_fails_instead_of_requeueing(
+    slurm_cluster: Cluster, tmp_path: Path, moment: str
+) -> None:
     """A time limit within the scripts' `--signal` margin sends USR1 right at
     the start; a requeued job would start over from the same checkpoint (here
     none) and be stopped again, forever. Sent as soon as the job runs, before
-    any rank can save a checkpoint, the stop ends the job instead."""
-    job = slurm_cluster.submit(
-        RUN_SFT, tmp_path, CPU_JOB, (), {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(tmp_path / "out")}
-    )
-    # Once the launcher has logged its start, after it set its USR1 trap.
-    deadline = time.monotonic() + FAIL_FAST_S
-    while "[qwen35-slurm] job" not in job.stdout() and time.monotonic() < deadline:
+    any rank can save a checkpoint, the stop ends the job instead: at once if
+    it comes before srun (`launcher-start`, which is also the moment at which
+    srun, just started, may drop it), and from the ranks before their first
+    step if it comes while they start (`rank-start`: they ignore the signal
+    then and read the launcher's stop file)."""
+    out = tmp_path / "out"
+    job = slurm_cluster.submit(RUN_SFT, tmp_path, CPU_JOB, (), {"QWEN35_CONFIG": str(SFT_CONFIG), "QWEN35_OUTPUT_DIR": str(out)})
+    # After the launcher set its USR1 trap, or after srun started both ranks
+    # (they log it before they start Python).
+    marks = ["[qwen35-slurm] job"] if moment == "launcher-start" else ["[qwen35-slurm] rank 0 of 2", "[qwen35-slurm] rank 1 of 2"]
+    deadline = time.monotonic() + RANK_START_S
+    while not all(mark in job.stdout() for mark in marks) and time.monotonic() < deadline:
         time.sleep(0.1)
     slurm_cluster.signal_batch_shell(job)
-    info = slurm_cluster.wait(job, timeout=FAIL_FAST_S)
+    info = slurm_cluster.wait(job, timeout=RANK_START_S)
     assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("FAILED", "3:0", "0"), info
     assert "came before the run saved a checkpoint (last checkpoint: step none, as when the job started)" in job.stderr(), job.stderr()
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
+    # The launcher removed its stop file.
+    assert not (out / ".qwen35-stop-request").exists()
+    if moment == "rank-start":
+        # Both ranks stopped by themselves, before training, rather than
+        # dying of the signal.
+        output = job.stdout() + job.stderr()
+        assert "ranks exited with 0 after the stop request" in output, output
+        assert "A stop was requested before the first step: stopping without training and without a checkpoint." in output, output

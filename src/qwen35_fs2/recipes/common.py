@@ -51,7 +51,7 @@ from qwen35_fs2.hf.sharded_loading import (
     finish_sharded_checkpoint_loading,
 )
 from qwen35_fs2.compat.dynamo_graphs import compiled_graph_count, graph_break_reasons
-from qwen35_fs2.compat.stop_on_signal import stop_on_signal
+from qwen35_fs2.compat.stop_on_signal import stop_file_from_env, stop_on_signal
 from qwen35_fs2.recipes.hf_export import export_hf_checkpoints, take_over_hf_export
 from qwen35_fs2.recipes.idle_batches import is_idle_batch
 from qwen35_fs2.recipes.lora import save_adapters_only, setup_lora
@@ -215,8 +215,9 @@ class LMTrainingRecipe(Recipe):
 
             trainer = context.create_trainer(unit, train_reader, [valid_unit], [valid_reader])
 
-        # SIGUSR1 (SLURM's warning before the time limit) must stop training.
-        stop_on_signal(trainer)
+        # SIGUSR1 (SLURM's warning before the time limit), or the stop file of
+        # our SLURM launcher, must stop training.
+        stop_on_signal(trainer, stop_file=stop_file_from_env())
 
         if hf_exporter is None:
             return trainer

@@ -65,6 +65,23 @@ class TestInstructionFinetuneCPU:
 
         assert not (resumed_dir / "metrics" / "train.jsonl").exists()
 
+        # A stop requested before the first step (the SLURM launcher's stop
+        # file, there before the run starts) stops the run after its restore,
+        # without a step or a checkpoint.
+        stop_file = tmp_path / "stop-request"
+
+        stop_file.touch()
+
+        process = run_recipe("instruction_finetune", resumed_dir, CONFIG, OVERRIDES, env={"QWEN35_STOP_FILE": str(stop_file)})
+
+        assert "Training restored. Resuming from step 3." in process.stdout, process.stdout[-3000:]
+
+        assert "A stop was requested before the first step: stopping without training and without a checkpoint." in process.stdout
+
+        assert not (resumed_dir / "metrics" / "train.jsonl").exists()
+
+        assert sorted(path.name for path in (resumed_dir / "checkpoints").glob("step_*")) == ["step_3"]
+
         process = run_recipe("instruction_finetune", resumed_dir, CONFIG, OVERRIDES)
 
         assert "Resuming from step 3." in process.stdout
