@@ -149,10 +149,10 @@ class Qwen35MultiTokenPredictor(Module):
 
         seqs = self.fc(seqs)
 
-        # Made here, inside the recipes' compiled loss for a packed or padded
-        # batch: a graph break there. Made before the model ran, the mask
-        # would be held through the trunk's forward pass, and for steps whose
-        # loss does not run the head.
+        # The mask of a packed or padded batch is made here, inside the
+        # recipes' compiled loss (it compiles), not before the model runs:
+        # it would be held through the trunk's forward pass then, and for
+        # steps whose loss does not run the head.
         attn_bias_cache = make_attention_bias_cache(
             self.layers, seqs, seqs_layout, incremental=state_bag is not None
         )

@@ -6,10 +6,12 @@ autocast, forward and backward, and compiles without a break."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import Tensor
 from torch.nn import ModuleList
 
@@ -18,6 +20,7 @@ from fairseq2.models.transformer import (
     CausalAttentionBias,
     NaiveSDPA,
     TorchSDPA,
+    materialize_attention_bias,
 )
 from fairseq2.nn import BatchLayout
 
@@ -170,3 +173,99 @@ def test_fairseq2s_cache_where_no_mask_is_precomputed() -> None:
     cache = make_attention_bias_cache(torch_sdpa, q, full, incremental=False)
 
     assert type(cache) is AttentionBiasCache
+
+
+def _random_layouts(count: int) -> list[BatchLayout]:
+    """Packed batches of 1 to 6 documents with and without a padded tail
+    (one-token documents among them), and padded batches of 1 to 4
+    sequences (one-token ones among them), all of them with a mask."""
+    rng = random.Random(0)
+
+    layouts: list[BatchLayout] = []
+
+    while len(layouts) < count:
+        if rng.random() < 0.5:
+            width = rng.randint(1, 40)
+
+            seq_lens = [rng.randint(1, width)]
+
+            while sum(seq_lens) < width and len(seq_lens) < 6:
+                seq_lens.append(rng.randint(1, width - sum(seq_lens)))
+
+            # A padded tail in about half of them.
+            if rng.random() < 0.5 and len(seq_lens) > 1:
+                seq_lens.pop()
+
+            layout = BatchLayout((width,), seq_lens, packed=True)
+        else:
+            width, batch_size = rng.randint(2, 30), rng.randint(1, 4)
+
+            layout = BatchLayout((batch_size, width), [rng.randint(1, width) for _ in range(batch_size)])
+
+        # (`TorchSDPA` needs no mask for sequences of one token.)
+        if layout.packed or (layout.padded and layout.max_seq_len > 1):
+            layouts.append(layout)
+
+    return layouts
+
+
+def _batch(layout: BatchLayout, dtype: torch.dtype) -> Tensor:
+    """A batch of 8-dimensional vectors of ``layout``'s shape."""
+    shape = (layout.width,) if layout.packed else (len(layout.seq_lens), layout.width)
+
+    return torch.zeros((*shape, 8), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_mask_is_fairseq2s_bit_for_bit(dtype: torch.dtype) -> None:
+    layers = ModuleList([TorchSDPA(CausalAttentionBias())])
+
+    for layout in _random_layouts(200):
+        seqs = _batch(layout, dtype)
+
+        cache = make_attention_bias_cache(layers, seqs, layout, incremental=False)
+
+        assert isinstance(cache, PrecomputedMaskCache), layout
+
+        expected = materialize_attention_bias(CausalAttentionBias(), layout, layout, seqs.device, dtype)
+
+        actual = cache.causal_mask
+
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, layout
+
+        # Bit for bit: the same zeros (not -0.0) and infinities.
+        assert torch.equal(actual.view(torch.uint8), expected.view(torch.uint8)), layout
+
+
+@pytest.mark.parametrize("kind", ["packed", "padded"])
+def test_the_mask_is_made_in_a_compiled_function_without_a_break_or_a_recompilation_per_batch(kind: str) -> None:
+    """As the MTP head makes it inside the recipes' compiled loss."""
+    layers = ModuleList([TorchSDPA(CausalAttentionBias())])
+
+    def make_mask(seqs: Tensor, layout: BatchLayout) -> Tensor:
+        cache = make_attention_bias_cache(layers, seqs, layout, incremental=False)
+
+        assert isinstance(cache, PrecomputedMaskCache)
+
+        return cache.causal_mask * 2.0
+
+    torch._dynamo.reset()
+
+    counter = torch._dynamo.testing.CompileCounter()
+
+    compiled = torch.compile(make_mask, backend=counter, fullgraph=True)
+
+    # (Not a batch of width or size 1: dynamo specializes sizes 0 and 1.)
+    batches = [(_batch(layout, torch.float32), layout) for layout in _random_layouts(60) if layout.packed == (kind == "packed")]
+
+    batches = [(seqs, layout) for seqs, layout in batches if min(seqs.shape[:-1]) > 1]
+
+    assert len(batches) >= 8
+
+    for seqs, layout in batches[:8]:
+        expected = materialize_attention_bias(CausalAttentionBias(), layout, layout, seqs.device, seqs.dtype)
+
+        assert torch.equal(compiled(seqs, layout), expected * 2.0), layout
+
+    # The first batch's shapes, then dynamic ones.
+    assert counter.frame_count <= 2, counter.frame_count

@@ -2,7 +2,7 @@
 is without a single graph break, and train as in eager mode: the Gated
 DeltaNet layer, gated attention, the MoE block, a pair of decoder layers
 (one of each mixer, each with an MoE block), and a whole tiny MoE model with
-its losses. The ``torch`` kernels here; the ``fla`` ones in
+its losses (on regular and packed batches). The ``torch`` kernels here; the ``fla`` ones in
 ``test_gated_deltanet_fla.py``.
 
 The backend is ``aot_eager``: dynamo and AOTAutograd, everything inductor
@@ -287,16 +287,22 @@ def test_checkpointed_decoder_layers_compile_on_a_packed_batch(model: str) -> No
     _assert_compiles_like_eager(checkpointed, step, layout)
 
 
-def test_whole_model_with_its_loss_compiles_like_eager() -> None:
+# (Padded batches take the same mask as the MTP head's, compiled in
+# tests/unit/recipes/test_loss.py.)
+@pytest.mark.parametrize("kind", ["regular", "packed"])
+def test_whole_model_with_its_loss_compiles_like_eager(kind: str) -> None:
     # The embeddings, the four layers (three Gated DeltaNet and one attention
-    # layer, all with MoE blocks), the LM head and its loss as one graph.
+    # layer, all with MoE blocks), the LM head and its loss as one graph; the
+    # attention mask of a packed batch too.
     model = _make_model()
 
     compiled_model = copy.deepcopy(model)
 
-    seqs, targets = torch.randint(1, 1024, (2, *_BATCH_SHAPE), generator=torch.Generator().manual_seed(2))
+    layout = _layout(kind)
 
-    layout = BatchLayout.of(seqs)
+    shape = _PACKED_SHAPE if layout.packed else _BATCH_SHAPE
+
+    seqs, targets = torch.randint(1, 1024, (2, *shape), generator=torch.Generator().manual_seed(2))
 
     def step(module: Module) -> Tensor:
         loss: Tensor = module(seqs, layout, targets, reduction="sum")

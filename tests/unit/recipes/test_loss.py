@@ -748,7 +748,10 @@ class TestInstallChunkedLMLoss:
 
     @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16_autocast"])
     @pytest.mark.parametrize("mtp_loss", ["off", "train"])
-    def test_compiled_loss_has_no_graph_break_and_matches_eager(self, mtp_loss: MtpLossMode, autocast: bool) -> None:
+    @pytest.mark.parametrize("padded", [False, True], ids=["regular", "padded"])
+    def test_compiled_loss_has_no_graph_break_and_matches_eager(
+        self, mtp_loss: MtpLossMode, autocast: bool, padded: bool
+    ) -> None:
         # `compile: true` in the recipes compiles the loss with fairseq2's
         # `compile_loss`, where a graph break passes unseen; `fullgraph=True`
         # makes one fail here. `aot_eager` traces what inductor would, in
@@ -772,7 +775,14 @@ class TestInstallChunkedLMLoss:
         target_mask = torch.ones_like(seqs, dtype=torch.bool)
         target_mask[1, :4] = False
 
-        layout = BatchLayout.of(seqs[:, :-1])
+        # Padded: the MTP head's attention layer makes the mask of the batch
+        # inside the compiled loss.
+        if padded:
+            layout = BatchLayout((2, 8), [8, 5])
+
+            target_mask[1, 6:] = False
+        else:
+            layout = BatchLayout.of(seqs[:, :-1])
 
         targets, mask = seqs[:, 1:], target_mask[:, 1:]
 
