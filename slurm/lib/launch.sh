@@ -267,6 +267,7 @@ qwen35_launch() {
     fi
 
     if [ "$QWEN35_STOP_REQUESTED" = 1 ]; then
+        rm -f -- "$QWEN35_STOP_FILE"
         _qwen35_requeue_after_progress "$out" "$checkpoints_at_start"
     fi
 
