@@ -192,8 +192,9 @@ qwen35_launch() {
     # run of the job left (it was killed before it could remove it) would stop
     # this one at once. Removed before it is named: a USR1 in between is in
     # QWEN35_STOP_REQUESTED, which ends the job before srun.
-    rm -f -- "$out/.qwen35-stop-request"
-    export QWEN35_STOP_FILE=$out/.qwen35-stop-request
+    local stop_file=$out/.qwen35-stop-request
+    rm -f -- "$stop_file"
+    export QWEN35_STOP_FILE=$stop_file
 
     # --- shape of the allocation: one task per GPU
     local nnodes=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
