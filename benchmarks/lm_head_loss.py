@@ -14,7 +14,8 @@ units compute it):
 - ``fairseq2``: what :meth:`TransformerLM.compute_fused_loss` computes, the
   full logits and ``fairseq2.nn.functional.cross_entropy``;
 - ``floor``: the three GEMMs of the loss (the logits, the gradients of the
-  decoder output and of the weight) on tensors of the same shapes.
+  decoder output and of the weight) on tensors of the same shapes, in fp32
+  for bf16 and fp16 (as the loss multiplies them on the CPU).
 
 Reported per variant: the wall and CPU time of the forward and backward
 passes (median over ``--num-steps`` after ``--num-warmup``); the memory above
@@ -127,22 +128,21 @@ def _run_worker(args: argparse.Namespace) -> dict[str, object]:
         return t
 
     if args.worker == "floor":
-        # The weight with its classes contiguous as well, made before the
-        # step: the product that sums over the classes reads it so. On CPUs
-        # without AVX-512, PyTorch's bf16 and fp16 products run the
-        # row-major weight's layout in scalar code (docs/performance.md, "The
-        # LM-head loss in bf16 on a CPU without AVX-512"), and a floor of them
-        # would not be one.
-        weight_by_class = proj.weight.detach().t().contiguous().t()
+        # On the CPU, bf16 and fp16 operands multiplied as fp32 products of
+        # their values, as the loss multiplies them there (PyTorch's own
+        # products in these dtypes run in scalar code on CPUs without
+        # AVX-512: docs/performance.md, "The LM-head loss's bf16 products in
+        # fp32 on the CPU"); the copies are made before the steps.
+        floor_x, floor_weight = x.detach().float(), proj.weight.detach().float()
 
         def forward() -> Any:
-            return x.detach() @ proj.weight.detach().t()
+            return floor_x @ floor_weight.t()
 
         def backward(logits: Any) -> None:
             # The logits stand in for their gradient.
-            logits @ weight_by_class
+            logits @ floor_weight
 
-            logits.t() @ x.detach()
+            logits.t() @ floor_x
 
     else:
         loss_fn = _loss_fn(args)

@@ -383,11 +383,11 @@ def _fused_forward(
 
     logit_sums = torch.zeros_like(target_weights)
 
-    compute_inputs = inputs.to(compute_dtype)
+    compute_inputs = _product_operand(inputs, compute_dtype)
 
     for begin in range(0, num_classes, block_size):
         _, logits, block_targets, in_block = _block_logits(
-            compute_inputs, weight, bias, targets, begin, block_size
+            compute_inputs, weight, bias, targets, begin, block_size, compute_dtype, chunk_size * num_classes
         )
 
         block_target_logits = logits.gather(-1, block_targets).squeeze(-1)
@@ -449,7 +449,9 @@ def _fused_backward(
 
     max_logits, log_sum_exps = max_logits.unsqueeze(-1), log_sum_exps.unsqueeze(-1)
 
-    compute_inputs = inputs.to(compute_dtype)
+    compute_inputs = _product_operand(inputs, compute_dtype)
+
+    max_piece_numel = chunk_size * num_classes
 
     input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
 
@@ -459,7 +461,7 @@ def _fused_backward(
 
     for begin in range(0, num_classes, block_size):
         block_weight, logits, block_targets, in_block = _block_logits(
-            compute_inputs, weight, bias, targets, begin, block_size
+            compute_inputs, weight, bias, targets, begin, block_size, compute_dtype, max_piece_numel
         )
 
         end = begin + block_weight.size(0)
@@ -478,18 +480,15 @@ def _fused_backward(
         if bias_grad is not None:
             bias_grad[begin:end] = grad.sum(0)
 
-        grad = grad.to(compute_dtype)
+        grad = _logit_grad_operand(grad, compute_dtype)
 
         if weight_grad is not None:
-            # An fp32 weight under autocast takes the block's gradient
-            # through a copy in the compute dtype.
-            if weight_grad.dtype == grad.dtype:
-                torch.mm(grad.t(), compute_inputs, out=weight_grad[begin:end])
-            else:
-                weight_grad[begin:end] = grad.t() @ compute_inputs
+            _weight_grad_product(
+                weight_grad[begin:end], grad, compute_inputs, compute_dtype, max_piece_numel, accumulate=False
+            )
 
         if input_grad is not None:
-            _add_input_grad(input_grad, grad, block_weight, chunk_size * num_classes)
+            _add_input_grad(input_grad, grad, block_weight, max_piece_numel)
 
         # Frees the block before the next one is computed.
         del grad, logits
@@ -770,10 +769,12 @@ def _forward_grads(
 
     _check_targets(targets, num_classes)
 
-    compute_inputs = inputs.to(compute_dtype)
+    compute_inputs = _product_operand(inputs, compute_dtype)
 
     # A copy under autocast, in one chunk only (see `_gradients_in_forward`).
     compute_weight = weight.to(compute_dtype)
+
+    max_piece_numel = chunk_size * num_classes
 
     input_grad = torch.zeros_like(inputs, dtype=torch.float32) if need_input_grad else None
 
@@ -790,7 +791,7 @@ def _forward_grads(
         chunk_inputs = compute_inputs[begin:end]
 
         _, logits, chunk_targets, in_block = _block_logits(
-            chunk_inputs, compute_weight, bias, targets[begin:end], 0, num_classes
+            chunk_inputs, compute_weight, bias, targets[begin:end], 0, num_classes, compute_dtype, max_piece_numel
         )
 
         target_logits = logits.gather(-1, chunk_targets)
@@ -819,18 +820,15 @@ def _forward_grads(
         if bias_grad is not None:
             bias_grad += grad.sum(0)
 
-        grad = grad.to(compute_dtype)
+        grad = _logit_grad_operand(grad, compute_dtype)
 
         if weight_grad is not None:
-            if weight_grad.dtype == grad.dtype:
-                torch.addmm(weight_grad, grad.t(), chunk_inputs, out=weight_grad)
-            else:
-                # An fp32 weight under autocast, in one chunk (see
-                # `_gradients_in_forward`).
-                weight_grad += grad.t() @ chunk_inputs
+            # An fp32 weight under autocast comes in one chunk only (see
+            # `_gradients_in_forward`).
+            _weight_grad_product(weight_grad, grad, chunk_inputs, compute_dtype, max_piece_numel, accumulate=True)
 
         if input_grad is not None:
-            _add_input_grad(input_grad[begin:end], grad, compute_weight, chunk_size * num_classes)
+            _add_input_grad(input_grad[begin:end], grad, compute_weight, max_piece_numel)
 
         # Frees the chunk before the next one is computed.
         del grad, logits, probs
@@ -988,22 +986,116 @@ def _class_block_size(num_tokens: int, num_classes: int, chunk_size: int) -> int
     return max(1, chunk_size * num_classes // num_tokens)
 
 
+def _products_in_fp32(compute_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the loss multiplies its operands in ``compute_dtype`` as fp32
+    products of their values in that dtype.
+
+    PyTorch multiplies bf16 matrices on the CPU with oneDNN only on CPUs with
+    AVX-512, and fp16 ones only with AVX-512-FP16 or AMX; elsewhere its own
+    GEMM runs them in scalar code, 1 to 20 GFLOP/s where fp32 runs at 100 and
+    more (an AVX2 EPYC; docs/performance.md, "The LM-head loss's bf16
+    products in fp32 on the CPU"). A product of two bf16 or fp16 numbers is
+    exact in fp32, and oneDNN's and CUDA's GEMMs sum such products in fp32
+    too: fp32 products of the same values, with the logits rounded to the
+    dtype afterwards, compute the forward pass as the dtype's GEMM does, up to
+    the order of the sums. The gradients stay in fp32 until they are stored
+    (the weight's in its own dtype), which the dtype's GEMM would round once
+    more. On the CPU the loss multiplies so on every CPU alike, so that a run
+    computes the same wherever it runs; CUDA multiplies in the dtype itself.
+    """
+    return device.type == "cpu" and compute_dtype in (torch.bfloat16, torch.float16)
+
+
+def _product_operand(t: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """Returns ``t`` in ``compute_dtype``, as the loss's products take it: in
+    fp32 holding the dtype's values where they run in fp32 (see
+    :func:`_products_in_fp32`)."""
+    t = t.to(compute_dtype)
+
+    return t.float() if _products_in_fp32(compute_dtype, t.device) else t
+
+
+def _logit_grad_operand(grad: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """Returns the fp32 logit gradient ``grad`` as the loss's products take
+    it: as it is where they run in fp32 (see :func:`_products_in_fp32`), a
+    copy in ``compute_dtype`` otherwise."""
+    return grad if _products_in_fp32(compute_dtype, grad.device) else grad.to(compute_dtype)
+
+
+def _piece_bounds(num_rows: int, model_dim: int, max_piece_numel: int) -> list[tuple[int, int]]:
+    """Splits ``num_rows`` rows of the weight into pieces of at most half of
+    ``max_piece_numel`` elements (those of the largest block of logits the
+    loss holds), for the products of :func:`_products_in_fp32`: what they
+    hold beside the logits (a piece of the weight in fp32, or its rows of the
+    weight gradient in fp32, and a piece of the logits rounded) then stays
+    under one block of logits, where a whole block of the weight is larger
+    if the model dimension exceeds the token count (1.2 GiB against 242 MiB
+    in bf16 at Qwen3.5-27B's shapes). The pieces depend on the weight's
+    shape only, so that ``torch.compile`` sees the same ones for every token
+    count."""
+    piece_rows = max(1, max_piece_numel // (2 * model_dim))
+
+    return [(begin, min(begin + piece_rows, num_rows)) for begin in range(0, num_rows, piece_rows)]
+
+
+def _product_pieces(
+    num_rows: int, model_dim: int, compute_dtype: torch.dtype, device: torch.device, max_piece_numel: int
+) -> list[tuple[int, int]]:
+    """The pieces of ``num_rows`` rows of the weight that the loss multiplies
+    at once: those of :func:`_piece_bounds` where the products run in fp32
+    (:func:`_products_in_fp32`), all rows in one otherwise."""
+    if _products_in_fp32(compute_dtype, device):
+        return _piece_bounds(num_rows, model_dim, max_piece_numel)
+
+    return [(0, num_rows)]
+
+
 def _block_logits(
-    inputs: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor, begin: int, block_size: int
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    targets: Tensor,
+    begin: int,
+    block_size: int,
+    compute_dtype: torch.dtype,
+    max_piece_numel: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Returns, for the block of ``block_size`` classes from ``begin``: its
-    rows of ``weight`` in the dtype of ``inputs``, its fp32 logits, each
-    target's index in the block (clamped into it) as a column, and whether
-    the target is in the block.
+    rows of ``weight`` in ``compute_dtype``, its fp32 logits (the product's
+    in ``compute_dtype``), each target's index in the block (clamped into it)
+    as a column, and whether the target is in the block. ``inputs`` is as
+    :func:`_product_operand` returns it.
 
     Only the block's rows of ``weight`` are cast, so that an fp32 weight
     under autocast is never copied whole."""
-    block_weight = weight[begin : begin + block_size].to(inputs.dtype)
+    block_weight = weight[begin : begin + block_size].to(compute_dtype)
 
-    block_bias = None if bias is None else bias[begin : begin + block_size].to(inputs.dtype)
+    block_bias = None if bias is None else bias[begin : begin + block_size].to(compute_dtype)
 
     # For numerical stability, the softmax runs in fp32.
-    logits = F.linear(inputs, block_weight, block_bias).float()
+    if not _products_in_fp32(compute_dtype, inputs.device):
+        logits = F.linear(inputs, block_weight, block_bias).float()
+    else:
+        num_rows, model_dim = block_weight.shape
+
+        logits = inputs.new_empty((inputs.size(0), num_rows))
+
+        for piece_begin, piece_end in _piece_bounds(num_rows, model_dim, max_piece_numel):
+            piece_logits = logits[:, piece_begin:piece_end]
+
+            piece_weight = block_weight[piece_begin:piece_end].float()
+
+            if block_bias is None:
+                torch.mm(inputs, piece_weight.t(), out=piece_logits)
+            else:
+                # The bias is added before the one rounding, as a GEMM's
+                # epilogue adds it.
+                torch.addmm(block_bias[piece_begin:piece_end].float(), inputs, piece_weight.t(), out=piece_logits)
+
+            # Frees the copy before the rounding's own.
+            del piece_weight
+
+            piece_logits.copy_(piece_logits.to(compute_dtype))
 
     offsets = targets - begin
 
@@ -1014,38 +1106,66 @@ def _block_logits(
     return block_weight, logits, block_targets, in_block
 
 
-def _add_input_grad(input_grad: Tensor, grad: Tensor, block_weight: Tensor, max_block_numel: int) -> None:
+def _weight_grad_product(
+    weight_grad: Tensor,
+    grad: Tensor,
+    inputs: Tensor,
+    compute_dtype: torch.dtype,
+    max_piece_numel: int,
+    *,
+    accumulate: bool,
+) -> None:
+    """Writes ``grad^T @ inputs``, the gradient of the rows of the weight
+    that ``weight_grad`` holds, into it, or adds it with ``accumulate``.
+    ``grad`` is as :func:`_logit_grad_operand` returns it, ``inputs`` as
+    :func:`_product_operand` does.
+
+    Where the products run in fp32 (:func:`_products_in_fp32`), they are
+    made piece by piece (:func:`_piece_bounds`) and rounded only as they are
+    stored: an fp32 ``weight_grad`` under autocast takes them whole."""
+    num_rows, model_dim = weight_grad.shape
+
+    for begin, end in _product_pieces(num_rows, model_dim, compute_dtype, grad.device, max_piece_numel):
+        piece_grad, piece = grad[:, begin:end], weight_grad[begin:end]
+
+        if piece.dtype != grad.dtype:
+            _store_product_(piece, piece_grad.t() @ inputs, accumulate)
+        elif accumulate:
+            torch.addmm(piece, piece_grad.t(), inputs, out=piece)
+        else:
+            torch.mm(piece_grad.t(), inputs, out=piece)
+
+
+def _store_product_(out: Tensor, product: Tensor, accumulate: bool) -> None:
+    """Writes ``product``, a temporary of another dtype, into ``out``, or adds
+    it with ``accumulate``. An fp32 product takes the sum itself before it is
+    rounded into ``out`` (measured: a smaller peak than ``out.add_()``); a
+    product in the compute dtype is added to the wider ``out``."""
+    if not accumulate:
+        out.copy_(product)
+    elif product.dtype == torch.float32:
+        out.copy_(product.add_(out))
+    else:
+        out.add_(product)
+
+
+def _add_input_grad(input_grad: Tensor, grad: Tensor, block_weight: Tensor, max_piece_numel: int) -> None:
     """Adds ``grad @ block_weight``, the block's part of the gradient of the
-    decoder output, to ``input_grad``.
+    decoder output, to the fp32 ``input_grad``. ``grad`` is as
+    :func:`_logit_grad_operand` returns it.
 
-    Where PyTorch has no oneDNN product for the dtype (bf16 on CPUs without
-    AVX-512, fp16 on those without AVX-512-FP16), its own GEMM computes this
-    layout, summing over the strided dimension of the row-major weight, in
-    scalar code: 0.6 to 1.4 GFLOP/s, against 19 to 24 with the weight's
-    classes contiguous (an AVX2 EPYC; docs/performance.md, "The LM-head loss
-    in bf16 on a CPU without AVX-512"). On the CPU in bf16 or fp16 the
-    weight is therefore copied so laid out, in pieces of at most
-    ``max_block_numel`` elements (those of the largest block of logits the
-    loss holds), so that the copy adds no more memory than a block of
-    logits: at Qwen3.5-27B's shapes a whole block of the weight is larger.
-    The piece size depends on the shapes of the weight only, so that
-    ``torch.compile`` sees the same pieces for every token count. CUDA's
-    products take either layout at full speed, and fp32 goes to MKL on the
-    CPU: both multiply the view.
-    """
-    if block_weight.device.type != "cpu" or block_weight.dtype not in (torch.bfloat16, torch.float16):
-        input_grad += grad @ block_weight
-
-        return
-
+    Where the products run in fp32 (:func:`_products_in_fp32`), the weight
+    is copied to fp32 piece by piece (:func:`_piece_bounds`), and each
+    piece's product is added unrounded."""
     num_rows, model_dim = block_weight.shape
 
-    piece_rows = max(1, max_block_numel // model_dim)
+    for begin, end in _product_pieces(num_rows, model_dim, block_weight.dtype, grad.device, max_piece_numel):
+        piece_grad, piece_weight = grad[:, begin:end], block_weight[begin:end].to(grad.dtype)
 
-    for begin in range(0, num_rows, piece_rows):
-        piece = block_weight[begin : begin + piece_rows]
-
-        input_grad += grad[:, begin : begin + piece_rows] @ piece.t().contiguous().t()
+        if grad.dtype == input_grad.dtype:
+            torch.addmm(input_grad, piece_grad, piece_weight, out=input_grad)
+        else:
+            input_grad += piece_grad @ piece_weight
 
 
 def _count_loss_targets(
