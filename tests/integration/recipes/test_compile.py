@@ -152,9 +152,13 @@ def test_compiled_checkpointed_packed_sft_has_no_graph_break(tmp_path: Path, mod
     # acceptance equal.
     eager_valid, compiled_valid = read_metrics(eager_dir, "valid")[4], read_metrics(compiled_dir, "valid")[4]
 
-    valid_names = ["NLL Loss"] + {"dense": ["MTP Loss", "MTP Acceptance"], "moe": ["Auxiliary Loss"]}[model]
+    valid_names = ["NLL Loss"] + {"dense": ["MTP Loss"], "moe": ["Auxiliary Loss"]}[model]
 
     valid_errors = {name: abs(compiled_valid[name] / eager_valid[name] - 1) for name in valid_names}
+
+    # A fraction of the drafts, which may be 0: compared absolutely.
+    if model == "dense":
+        valid_errors["MTP Acceptance"] = abs(compiled_valid["MTP Acceptance"] - eager_valid["MTP Acceptance"])
 
     assert max(valid_errors.values()) < 1e-5, valid_errors
 
