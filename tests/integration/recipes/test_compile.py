@@ -114,10 +114,12 @@ def test_compiled_checkpointed_packed_sft_has_no_graph_break(tmp_path: Path, mod
     # routing statistics did, which left those layers uncompiled. Dynamo and
     # AOTAutograd (`aot_eager`), where the breaks are decided, without
     # inductor's code generation.
+    num_steps = 4
+
     overrides = [
         *OVERRIDES[1:],
         *_AC_MODELS[model],
-        "regime.num_steps=4",
+        f"regime.num_steps={num_steps}",
         "trainer.activation_checkpointing={mode: layerwise}",
     ]
 
@@ -132,11 +134,14 @@ def test_compiled_checkpointed_packed_sft_has_no_graph_break(tmp_path: Path, mod
 
     eager, compiled = read_metrics(eager_dir), read_metrics(compiled_dir)
 
-    assert sorted(compiled) == [1, 2, 3, 4]
+    assert sorted(compiled) == list(range(1, num_steps + 1))
 
     assert all(compiled[step]["Graph Breaks"] == 0 for step in compiled), process.stdout[-3000:]
 
-    names = ["NLL Loss", "Gradient Norm"] + {"dense": ["MTP Loss"], "moe": ["Auxiliary Loss"]}[model]
+    # The loss the model adds to the NLL loss, in training and validation.
+    model_losses = {"dense": ["MTP Loss"], "moe": ["Auxiliary Loss"]}[model]
+
+    names = ["NLL Loss", "Gradient Norm", *model_losses]
 
     errors = {(step, name): abs(compiled[step][name] / eager[step][name] - 1) for step in compiled for name in names}
 
@@ -150,11 +155,9 @@ def test_compiled_checkpointed_packed_sft_has_no_graph_break(tmp_path: Path, mod
     # loss and its acceptance of greedy drafts, which only validation
     # measures. Measured (dense): the losses 2.0e-8 apart, relative, the
     # acceptance equal.
-    eager_valid, compiled_valid = read_metrics(eager_dir, "valid")[4], read_metrics(compiled_dir, "valid")[4]
+    eager_valid, compiled_valid = read_metrics(eager_dir, "valid")[num_steps], read_metrics(compiled_dir, "valid")[num_steps]
 
-    valid_names = ["NLL Loss"] + {"dense": ["MTP Loss"], "moe": ["Auxiliary Loss"]}[model]
-
-    valid_errors = {name: abs(compiled_valid[name] / eager_valid[name] - 1) for name in valid_names}
+    valid_errors = {name: abs(compiled_valid[name] / eager_valid[name] - 1) for name in ["NLL Loss", *model_losses]}
 
     # A fraction of the drafts, which may be 0: compared absolutely.
     if model == "dense":
