@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from qwen35_fs2.cli.main import main
+from qwen35_fs2.cli import command
 
-sys.exit(main())
+sys.exit(command())

@@ -126,12 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _run_recipe(command, args, parser)
 
 
-def run_recipe_module(command_name: str) -> int:
-    """Runs the recipe ``command_name`` with the arguments of this process, for
-    the ``__main__`` module of each recipe."""
-    return main([LM_GROUP, command_name, *sys.argv[1:]])
-
-
 def _add_recipe_arguments(parser: ArgumentParser) -> None:
     parser.add_argument(
         "output_dir",

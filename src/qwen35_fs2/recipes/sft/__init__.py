@@ -1,12 +1,25 @@
 """``lm instruction_finetune``: supervised fine-tuning in the Qwen3.5 chat
-format."""
+format.
+
+Its names are imported when first used (:mod:`qwen35_fs2._exports`): ``python
+-m`` imports the package before its ``__main__``."""
 
 from __future__ import annotations
 
-from qwen35_fs2.recipes.sft.config import (
-    InstructionFinetuneConfig as InstructionFinetuneConfig,
-)
-from qwen35_fs2.recipes.sft.config import SFTDatasetSection as SFTDatasetSection
-from qwen35_fs2.recipes.sft.recipe import (
-    InstructionFinetuneRecipe as InstructionFinetuneRecipe,
+from typing import TYPE_CHECKING
+
+from qwen35_fs2._exports import lazy_exports
+
+if TYPE_CHECKING:
+    from qwen35_fs2.recipes.sft.config import InstructionFinetuneConfig as InstructionFinetuneConfig
+    from qwen35_fs2.recipes.sft.config import SFTDatasetSection as SFTDatasetSection
+    from qwen35_fs2.recipes.sft.recipe import InstructionFinetuneRecipe as InstructionFinetuneRecipe
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "InstructionFinetuneConfig": "qwen35_fs2.recipes.sft.config",
+        "SFTDatasetSection": "qwen35_fs2.recipes.sft.config",
+        "InstructionFinetuneRecipe": "qwen35_fs2.recipes.sft.recipe",
+    },
 )

@@ -1,10 +1,26 @@
-"""``lm train``: continued pretraining on parquet text shards."""
+"""``lm train``: continued pretraining on parquet text shards.
+
+Its names are imported when first used (:mod:`qwen35_fs2._exports`): ``python
+-m`` imports the package before its ``__main__``."""
 
 from __future__ import annotations
 
-from qwen35_fs2.recipes.train.config import ParquetTextSource as ParquetTextSource
-from qwen35_fs2.recipes.train.config import PretrainConfig as PretrainConfig
-from qwen35_fs2.recipes.train.config import (
-    PretrainDatasetSection as PretrainDatasetSection,
+from typing import TYPE_CHECKING
+
+from qwen35_fs2._exports import lazy_exports
+
+if TYPE_CHECKING:
+    from qwen35_fs2.recipes.train.config import ParquetTextSource as ParquetTextSource
+    from qwen35_fs2.recipes.train.config import PretrainConfig as PretrainConfig
+    from qwen35_fs2.recipes.train.config import PretrainDatasetSection as PretrainDatasetSection
+    from qwen35_fs2.recipes.train.recipe import PretrainRecipe as PretrainRecipe
+
+__getattr__ = lazy_exports(
+    __name__,
+    {
+        "ParquetTextSource": "qwen35_fs2.recipes.train.config",
+        "PretrainConfig": "qwen35_fs2.recipes.train.config",
+        "PretrainDatasetSection": "qwen35_fs2.recipes.train.config",
+        "PretrainRecipe": "qwen35_fs2.recipes.train.recipe",
+    },
 )
-from qwen35_fs2.recipes.train.recipe import PretrainRecipe as PretrainRecipe
