@@ -23,10 +23,8 @@ if TYPE_CHECKING:
 __getattr__ = lazy_exports(
     __name__,
     {
-        "load_hf_model": "qwen35_fs2.hf",
-        "qwen35_config_from_hf": "qwen35_fs2.hf",
-        "save_hf_model": "qwen35_fs2.hf",
-        "Qwen35Config": "qwen35_fs2.models.qwen35",
-        "Qwen35MoeConfig": "qwen35_fs2.models.qwen35_moe",
+        "hf": ("load_hf_model", "qwen35_config_from_hf", "save_hf_model"),
+        "models.qwen35": ("Qwen35Config",),
+        "models.qwen35_moe": ("Qwen35MoeConfig",),
     },
 )

@@ -15,10 +15,11 @@ Why: those imports make about 360,000 objects, and the collector traversed
 them time and again while they were made, and again in the interpreter's
 last collections at the process's end: together about 4 s of CPU of every
 recipe process on a 2-core AMD EPYC (docs/performance.md, "A process's
-start and end: the garbage collector"), more than some of their runs train. At the process's end, the garbage
-the run made is collected before what is left is frozen, so that it is
-finalized as the interpreter would have done; what the collector then skips
-is what the modules hold to their end, mostly their classes and functions.
+start and end: the garbage collector"), more than some of their runs train.
+At the process's end, the garbage the run made is collected before what is
+left is frozen, so that it is finalized as the interpreter would have done;
+what the collector then skips is what the modules hold to their end, mostly
+their classes and functions.
 
 :func:`qwen35_fs2.cli.main.main`, which the tests call in their own
 processes, leaves the collector as it is.

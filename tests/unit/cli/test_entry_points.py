@@ -6,18 +6,22 @@ commands do."""
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from importlib import import_module
 from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
-import qwen35_fs2
 import qwen35_fs2.cli
-import qwen35_fs2.hf.loading
 import qwen35_fs2.recipes.sft
-import qwen35_fs2.recipes.sft.recipe
+
+# The packages on the way to the entry points (`python -m` imports a
+# recipe's package before its `__main__`).
+_LAZY_PACKAGES = ("qwen35_fs2", *(f"qwen35_fs2.recipes.{name}" for name in ("sft", "train", "generate", "eval_gsm8k")))
 
 # Who imports these has imported PyTorch, fairseq2 or transformers.
 _HEAVY_MODULES = ("torch", "fairseq2", "transformers")
@@ -66,7 +70,7 @@ def _run_python(code: str) -> str:
 
 
 def test_the_packages_before_the_entry_points_import_nothing_heavy() -> None:
-    modules = ["qwen35_fs2", "qwen35_fs2.cli", *(f"qwen35_fs2.recipes.{name}" for name in ("sft", "train", "generate", "eval_gsm8k"))]  # fmt: skip
+    modules = ["qwen35_fs2.cli", *_LAZY_PACKAGES]
 
     code = f"import json, sys\nfor m in {modules!r}: __import__(m)\nprint(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {_HEAVY_MODULES!r})))"  # fmt: skip
 
@@ -96,10 +100,23 @@ def test_the_console_scripts_are_the_entry_point() -> None:
     }
 
 
-def test_lazy_exports_are_the_defining_modules_objects() -> None:
-    assert qwen35_fs2.load_hf_model is qwen35_fs2.hf.loading.load_hf_model
+@pytest.mark.parametrize("package", _LAZY_PACKAGES)
+def test_each_name_the_type_checkers_see_is_the_defining_modules_object(package: str) -> None:
+    module = import_module(package)
 
-    assert qwen35_fs2.recipes.sft.InstructionFinetuneRecipe is qwen35_fs2.recipes.sft.recipe.InstructionFinetuneRecipe
+    # The names the package imports under `TYPE_CHECKING`.
+    tree = ast.parse(Path(str(module.__file__)).read_text(encoding="utf-8"))
 
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+
+    imports = [(node.module, alias.name) for node in checked.body if isinstance(node, ast.ImportFrom) for alias in node.names]
+
+    assert imports
+
+    for defining_module, name in imports:
+        assert getattr(module, name) is getattr(import_module(str(defining_module)), name), name
+
+
+def test_another_name_is_an_attribute_error_naming_it() -> None:
     with pytest.raises(AttributeError, match=r"^module 'qwen35_fs2.recipes.sft' has no attribute 'Recipe'$"):
         _ = qwen35_fs2.recipes.sft.Recipe

@@ -1,7 +1,4 @@
-"""``lm generate``: chat responses to the prompts of a file.
-
-Its names are imported when first used (:mod:`qwen35_fs2._exports`): ``python
--m`` imports the package before its ``__main__``."""
+"""``lm generate``: chat responses to the prompts of a file."""
 
 from __future__ import annotations
 
@@ -14,11 +11,8 @@ if TYPE_CHECKING:
     from qwen35_fs2.recipes.generate.recipe import GenerateRecipe as GenerateRecipe
     from qwen35_fs2.recipes.generate.recipe import GenerateUnit as GenerateUnit
 
+# Imported when first used: `python -m` imports the package before its `__main__`.
 __getattr__ = lazy_exports(
     __name__,
-    {
-        "GenerateConfig": "qwen35_fs2.recipes.generate.config",
-        "GenerateRecipe": "qwen35_fs2.recipes.generate.recipe",
-        "GenerateUnit": "qwen35_fs2.recipes.generate.recipe",
-    },
+    {"config": ("GenerateConfig",), "recipe": ("GenerateRecipe", "GenerateUnit")},
 )

@@ -1,8 +1,5 @@
 """``lm instruction_finetune``: supervised fine-tuning in the Qwen3.5 chat
-format.
-
-Its names are imported when first used (:mod:`qwen35_fs2._exports`): ``python
--m`` imports the package before its ``__main__``."""
+format."""
 
 from __future__ import annotations
 
@@ -15,11 +12,8 @@ if TYPE_CHECKING:
     from qwen35_fs2.recipes.sft.config import SFTDatasetSection as SFTDatasetSection
     from qwen35_fs2.recipes.sft.recipe import InstructionFinetuneRecipe as InstructionFinetuneRecipe
 
+# Imported when first used: `python -m` imports the package before its `__main__`.
 __getattr__ = lazy_exports(
     __name__,
-    {
-        "InstructionFinetuneConfig": "qwen35_fs2.recipes.sft.config",
-        "SFTDatasetSection": "qwen35_fs2.recipes.sft.config",
-        "InstructionFinetuneRecipe": "qwen35_fs2.recipes.sft.recipe",
-    },
+    {"config": ("InstructionFinetuneConfig", "SFTDatasetSection"), "recipe": ("InstructionFinetuneRecipe",)},
 )

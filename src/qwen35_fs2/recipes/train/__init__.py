@@ -1,7 +1,4 @@
-"""``lm train``: continued pretraining on parquet text shards.
-
-Its names are imported when first used (:mod:`qwen35_fs2._exports`): ``python
--m`` imports the package before its ``__main__``."""
+"""``lm train``: continued pretraining on parquet text shards."""
 
 from __future__ import annotations
 
@@ -15,12 +12,8 @@ if TYPE_CHECKING:
     from qwen35_fs2.recipes.train.config import PretrainDatasetSection as PretrainDatasetSection
     from qwen35_fs2.recipes.train.recipe import PretrainRecipe as PretrainRecipe
 
+# Imported when first used: `python -m` imports the package before its `__main__`.
 __getattr__ = lazy_exports(
     __name__,
-    {
-        "ParquetTextSource": "qwen35_fs2.recipes.train.config",
-        "PretrainConfig": "qwen35_fs2.recipes.train.config",
-        "PretrainDatasetSection": "qwen35_fs2.recipes.train.config",
-        "PretrainRecipe": "qwen35_fs2.recipes.train.recipe",
-    },
+    {"config": ("ParquetTextSource", "PretrainConfig", "PretrainDatasetSection"), "recipe": ("PretrainRecipe",)},
 )
