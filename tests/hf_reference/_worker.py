@@ -29,12 +29,36 @@ from typing import Any
 for _name in ("fla", "causal_conv1d"):
     sys.modules[_name] = None  # type: ignore[assignment]
 
+# The imports below make about 300,000 objects, which the cyclic garbage
+# collector would traverse again and again while they are made, and once more
+# at the subprocess's end: about 2.5 of the 10 s of CPU a subprocess with one
+# small build and one forward pass took, and a test process starts one for
+# each module that uses the reference (docs/performance.md, "The reference's
+# subprocess and the garbage collector"). So they run with the collector off,
+# and what they made is frozen (`gc.freeze()`: never traversed again) before
+# it is back on.
+gc.disable()
+
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 # Imported by name so that type checkers, which see the test environment's
 # transformers 4.57, do not check it against the overlay's 5.x API.
 transformers = importlib.import_module("transformers")
+
+# transformers imports its model modules on first use; the ones the requests
+# go through (the auto classes, Qwen3.5 dense and MoE) are imported now, to be
+# frozen with the rest.
+for _module in (
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+):
+    importlib.import_module(_module)
+
+gc.collect()
+gc.freeze()
+gc.enable()
 
 transformers.logging.set_verbosity_error()
 transformers.logging.disable_progress_bar()
