@@ -33,10 +33,10 @@ for _name in ("fla", "causal_conv1d"):
 # collector would traverse again and again while they are made, and once more
 # at the subprocess's end: about 2.5 of the 10 s of CPU a subprocess with one
 # small build and one forward pass took, and a test process starts one for
-# each module that uses the reference (docs/performance.md, "The reference's
-# subprocess and the garbage collector"). So they run with the collector off,
-# and what they made is frozen (`gc.freeze()`: never traversed again) before
-# it is back on.
+# each module that uses the reference (docs/performance.md, "Where the
+# suite's CPU goes, and the reference's subprocess"). So they run with the
+# collector off, and what they made is frozen (`gc.freeze()`: never traversed
+# again) before it is back on.
 gc.disable()
 
 import torch  # noqa: E402
